@@ -1,0 +1,242 @@
+import math
+
+import pytest
+import torch
+
+from cegppo import reference
+from cegppo.objectives import AGGREGATIONS, OBJECTIVES, aggregate, get_objective
+
+torch.set_default_dtype(torch.float64)
+
+
+def one_token(obj, ratio, adv):
+    """(loss value, dJ/dlogp) for a single token, as in ALGORITHM.md 3.6."""
+    lp = torch.tensor([[math.log(ratio)]], requires_grad=True)
+    old = torch.zeros(1, 1)
+    loss = obj.token_loss(lp, old, torch.tensor([adv]), torch.ones(1, 1))
+    loss.sum().backward()
+    return loss.item(), -lp.grad.item()
+
+
+# ALGORITHM.md 3.6: ratio, A, PPO (loss, dJ), CE-GPPO .75/1 (loss, dJ), CE-GPPO .5/1 (loss, dJ), clipfrac, lower
+TABLE = [
+    (0.70, -1, (0.80, 0), (0.60, -0.60), (0.40, -0.40)),
+    (0.70, +1, (-0.70, 0.70), (-0.70, 0.70), (-0.70, 0.70)),
+    (0.95, +1, (-0.95, 0.95), (-0.95, 0.95), (-0.95, 0.95)),
+    (0.95, -1, (0.95, -0.95), (0.95, -0.95), (0.95, -0.95)),
+    (1.30, +1, (-1.20, 0), (-1.20, 1.20), (-1.20, 1.20)),
+    (1.30, -1, (1.30, -1.30), (1.30, -1.30), (1.30, -1.30)),
+    (12.0, -1, (10.0, 0), (10.0, 0), (10.0, 0)),
+]
+
+
+@pytest.mark.parametrize("ratio,adv,ppo,ce75,ce50", TABLE)
+def test_algorithm_table(ratio, adv, ppo, ce75, ce50):
+    objs = {
+        "ppo": get_objective("ppo_clip", clip_ratio_c=10.0),
+        "ce75": get_objective("ce_gppo", beta1=0.75, beta2=1.0),
+        "ce50": get_objective("ce_gppo", beta1=0.5, beta2=1.0),
+    }
+    for key, expect in (("ppo", ppo), ("ce75", ce75), ("ce50", ce50)):
+        value, grad = one_token(objs[key], ratio, adv)
+        assert value == pytest.approx(expect[0], abs=1e-12), key
+        assert grad == pytest.approx(expect[1], abs=1e-12), key
+
+
+def random_batch(B=16, T=24, spread=0.6, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    old = -torch.rand(B, T, generator=g) * 3
+    lp = old + torch.randn(B, T, generator=g) * spread
+    adv = torch.randn(B, generator=g)
+    lens = torch.randint(1, T + 1, (B,), generator=g)
+    mask = (torch.arange(T)[None] < lens[:, None]).to(torch.float64)
+    return lp, old, adv, mask
+
+
+def grads(fn, lp, *args, **kw):
+    x = lp.clone().requires_grad_(True)
+    val = fn(x, *args, **kw)
+    (val * args[-1] if False else val).sum().backward()
+    return val.detach(), x.grad
+
+
+@pytest.mark.parametrize("beta1,beta2", [(0.75, 1.0), (0.5, 1.0), (0.0, 0.0), (1.0, 0.5), (2.0, 3.0)])
+@pytest.mark.parametrize("c", [10.0, 3.0, None])
+def test_ce_gppo_matches_authors_formulation(beta1, beta2, c):
+    lp, old, adv, _ = random_batch(spread=1.5)
+    obj = get_objective("ce_gppo", beta1=beta1, beta2=beta2, clip_ratio_c=c, eps_low=0.2, eps_high=0.28)
+    v1, g1 = grads(obj.token_loss, lp, old, adv, None)
+    v2, g2 = grads(reference.ce_gppo_masked, lp, old, adv, 0.2, 0.28, beta1, beta2, c)
+    v3, g3 = grads(reference.ce_gppo_where, lp, old, adv, 0.2, 0.28, beta1, beta2, c)
+    torch.testing.assert_close(v1, v2, rtol=0, atol=1e-12)
+    torch.testing.assert_close(g1, g2, rtol=0, atol=1e-12)
+    torch.testing.assert_close(v1, v3, rtol=0, atol=1e-12)
+    torch.testing.assert_close(g1, g3, rtol=0, atol=1e-12)
+
+
+def test_ppo_clip_matches_verl_vanilla():
+    lp, old, adv, _ = random_batch(spread=1.5)
+    for c in (None, 3.0):
+        obj = get_objective("ppo_clip", eps_low=0.2, eps_high=0.28, clip_ratio_c=c)
+        v1, g1 = grads(obj.token_loss, lp, old, adv, None)
+        v2, g2 = grads(reference.ppo_clip_where, lp, old, adv, 0.2, 0.28, c)
+        torch.testing.assert_close(v1, v2, rtol=0, atol=1e-12)
+        torch.testing.assert_close(g1, g2, rtol=0, atol=1e-12)
+
+
+def test_beta_zero_is_ppo_gradient_and_beta_one_is_gppo():
+    lp, old, adv, _ = random_batch(spread=1.0)
+    ppo = get_objective("ppo_clip", clip_ratio_c=10.0)
+    ce0 = get_objective("ce_gppo", beta1=0.0, beta2=0.0)
+    ce1 = get_objective("ce_gppo", beta1=1.0, beta2=1.0)
+    gppo = get_objective("gppo")
+    v_ppo, g_ppo = grads(ppo.token_loss, lp, old, adv, None)
+    v0, g0 = grads(ce0.token_loss, lp, old, adv, None)
+    torch.testing.assert_close(g0, g_ppo, rtol=0, atol=0)
+    assert not torch.equal(v0, v_ppo)  # forward values differ on out-of-clip tokens (0 vs clipped constant)
+    v1, g1 = grads(ce1.token_loss, lp, old, adv, None)
+    vg, gg = grads(gppo.token_loss, lp, old, adv, None)
+    torch.testing.assert_close(g1, gg, rtol=0, atol=0)
+    torch.testing.assert_close(v1, v_ppo, rtol=0, atol=0)  # beta = 1: forward equals PPO-clip
+
+
+def test_gppo_vs_cispo_gradients_agree_and_differ_where_documented():
+    lp, old, adv, mask = random_batch(B=64, spread=1.0)
+    gppo = get_objective("gppo", eps_low=0.2, eps_high=0.28, clip_ratio_c=None)
+    cis = get_objective("cispo", eps_low=0.2, eps_high=0.28)
+    _, g_gppo = grads(gppo.token_loss, lp, old, adv, None)
+    _, g_cis = grads(cis.token_loss, lp, old, adv, None)
+    a = adv[:, None].expand_as(lp)
+    r = (lp - old).exp()
+    unclipped_side = ((a < 0) & (r > 1.28)) | ((a > 0) & (r < 0.8))
+    assert unclipped_side.any() and (~unclipped_side).any()
+    torch.testing.assert_close(g_gppo[~unclipped_side], g_cis[~unclipped_side], rtol=0, atol=1e-12)
+    assert (g_gppo[unclipped_side] - g_cis[unclipped_side]).abs().min() > 1e-6
+
+
+def test_gspo_sequence_ratio_gradient():
+    lp, old, adv, mask = random_batch(spread=0.001)
+    obj = get_objective("gspo")
+    x = lp.clone().requires_grad_(True)
+    loss, _ = obj(x, old, adv, mask)
+    loss.backward()
+    # reference: J = mean_i min(s_i A_i, clip(s_i) A_i) with s_i = exp(mean_t log r); autograd through s directly
+    y = lp.clone().requires_grad_(True)
+    s = (((y - old) * mask).sum(-1) / mask.sum(-1)).exp()
+    ref = torch.maximum(-adv * s, -adv * s.clamp(1 - 3e-4, 1 + 4e-4)).mean()
+    ref.backward()
+    torch.testing.assert_close(loss.detach(), ref.detach(), rtol=0, atol=1e-12)
+    torch.testing.assert_close(x.grad * mask, y.grad * mask, rtol=0, atol=1e-12)
+
+
+@pytest.mark.parametrize("agg", AGGREGATIONS)
+@pytest.mark.parametrize("name", ["ce_gppo", "ppo_clip", "cispo", "gspo"])
+def test_micro_batch_invariance(agg, name):
+    lp, old, adv, mask = random_batch(B=12, spread=0.8, seed=3)
+    obj = get_objective(name)
+    x = lp.clone().requires_grad_(True)
+    whole, _ = obj(x, old, adv, mask, agg=agg)
+    whole.backward()
+    y = lp.clone().requires_grad_(True)
+    total = 0.0
+    n_tok, n_seq = mask.sum(), mask.shape[0]
+    for sl in (slice(0, 5), slice(5, 6), slice(6, 12)):
+        part, _ = obj(y[sl], old[sl], adv[sl], mask[sl], agg=agg, num_tokens=n_tok, num_seqs=n_seq)
+        part.backward()
+        total = total + part.detach()
+    torch.testing.assert_close(total, whole.detach(), rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(y.grad, x.grad, rtol=1e-12, atol=1e-12)
+
+
+def test_aggregation_formulas():
+    L = torch.tensor([[1.0, 2.0, 3.0], [4.0, 5.0, 6.0]])
+    m = torch.tensor([[1.0, 1.0, 0.0], [1.0, 1.0, 1.0]])
+    assert aggregate(L, m, "token-mean").item() == pytest.approx(18 / 5)
+    assert aggregate(L, m, "token-sum").item() == pytest.approx(18)
+    assert aggregate(L, m, "seq-mean-token-mean").item() == pytest.approx((1.5 + 5) / 2)
+    assert aggregate(L, m, "seq-mean-token-sum").item() == pytest.approx((3 + 15) / 2)
+    assert aggregate(L, m, "seq-mean-token-sum-norm").item() == pytest.approx(18 / 3)
+    assert aggregate(L, m, "token-mean", num_tokens=10).item() == pytest.approx(1.8)
+    with pytest.raises(ValueError, match="token-mean"):
+        aggregate(L, m, "bogus")
+
+
+@pytest.mark.parametrize("name", list(OBJECTIVES))
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_finite_at_extreme_log_ratios(name, dtype):
+    lp = torch.tensor([[-200.0, 200.0, 0.0, -0.01], [200.0, -200.0, -1e-4, -50.0]], dtype=dtype)
+    old = torch.tensor([[0.0, 0.0, -200.0, -0.01], [-0.5, -0.5, -200.0, -50.0]], dtype=dtype)
+    mask = torch.ones_like(lp)
+    for adv in (torch.tensor([1.0, -1.0], dtype=dtype), torch.tensor([-1.0, 1.0], dtype=dtype)):
+        x = lp.clone().requires_grad_(True)
+        loss, metrics = get_objective(name)(x, old, adv, mask)
+        loss.backward()
+        assert torch.isfinite(loss), name
+        assert torch.isfinite(x.grad).all(), name
+        assert all(torch.isfinite(v) for v in metrics.values())
+
+
+def test_advantage_shapes_equivalent():
+    lp, old, adv, mask = random_batch()
+    obj = get_objective("ce_gppo")
+    a = obj.token_loss(lp, old, adv, mask)
+    b = obj.token_loss(lp, old, adv[:, None], mask)
+    c = obj.token_loss(lp, old, adv[:, None].expand_as(lp), mask)
+    torch.testing.assert_close(a, b, rtol=0, atol=0)
+    torch.testing.assert_close(a, c, rtol=0, atol=0)
+    with pytest.raises(ValueError, match="advantages"):
+        obj.token_loss(lp, old, adv[:3], mask)
+
+
+@pytest.mark.parametrize(
+    "name,kw,match",
+    [
+        ("ce_gpo", {}, "valid objectives"),
+        ("ce_gppo", {"eps_low": 0.0}, "eps_low"),
+        ("ce_gppo", {"eps_high": 1.0}, "eps_high"),
+        ("ce_gppo", {"beta1": -0.1}, "beta1"),
+        ("ce_gppo", {"beta2": float("nan")}, "beta2"),
+        ("ce_gppo", {"clip_ratio_c": 1.0}, "clip_ratio_c"),
+        ("ppo_clip", {"clip_ratio_c": 0.5}, "clip_ratio_c"),
+        ("ce_gppo", {"beta1": 2.0, "clip_ratio_c": 1.5}, "below clip_ratio_c"),
+        ("ce_gppo", {"beta3": 1.0}, "unknown hyperparameter"),
+        ("cispo", {"beta1": 1.0}, "unknown hyperparameter"),
+    ],
+)
+def test_invalid_hyperparameters(name, kw, match):
+    with pytest.raises(ValueError, match=match):
+        get_objective(name, **kw)
+
+
+def test_defaults_are_authors_7b_script():
+    assert get_objective("ce_gppo").hparams == dict(eps_low=0.2, eps_high=0.2, beta1=0.75, beta2=1.0, clip_ratio_c=10.0)
+    assert get_objective("dapo").hparams["eps_high"] == 0.28
+
+
+def test_metrics_are_tensors_and_region_fractions_correct():
+    lp = torch.log(torch.tensor([[0.7, 0.7, 1.3, 1.3, 12.0, 1.0]]))
+    old = torch.zeros_like(lp)
+    adv = torch.tensor([[-1.0, 1.0, 1.0, -1.0, -1.0, 1.0]])
+    mask = torch.ones_like(lp)
+    _, m = get_objective("ce_gppo")(lp, old, adv, mask)
+    assert all(isinstance(v, torch.Tensor) and v.dim() == 0 for v in m.values())
+    assert m["clip/low_frac"].item() == pytest.approx(1 / 6)
+    assert m["clip/high_frac"].item() == pytest.approx(1 / 6)
+    assert m["clip/dual_frac"].item() == pytest.approx(1 / 6)
+    assert m["ppo_kl"].item() == pytest.approx(-lp.mean().item())
+
+
+@pytest.mark.parametrize("agg", ["token-mean", "seq-mean-token-sum-norm"])
+def test_compiled_fused_path_matches_eager(agg):
+    lp, old, adv, mask = random_batch(B=8, T=16, spread=1.0)
+    lp, old, adv, mask = lp.float(), old.float(), adv.float(), mask.float()
+    eager = get_objective("ce_gppo", beta1=0.5)
+    fused = get_objective("ce_gppo", beta1=0.5, compile=True)
+    out = []
+    for obj in (eager, fused):
+        x = lp.clone().requires_grad_(True)
+        loss, _ = obj(x, old, adv, mask, agg=agg, num_tokens=mask.sum() if agg == "token-mean" else None)
+        loss.backward()
+        out.append((loss.detach(), x.grad))
+    torch.testing.assert_close(out[0][0], out[1][0], rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(out[0][1], out[1][1], rtol=1e-6, atol=1e-7)
