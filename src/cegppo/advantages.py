@@ -1,0 +1,39 @@
+"""Outcome advantages for groups of responses to the same prompt, and the DAPO group filter."""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+ESTIMATORS = ("grpo", "dr_grpo", "rloo")
+
+
+def group_advantages(rewards: Tensor, group_size: int, estimator: str = "grpo", eps: float = 1e-6) -> Tensor:
+    """Per-response advantages ``[N]`` for ``rewards`` laid out as consecutive groups of ``group_size``.
+
+    - ``grpo``: ``(R - mean) / (std + eps)`` with the *unbiased* std, as the authors' code (``torch.std``);
+      a group of one gets advantage 0 (mean = R, std := 1).
+    - ``dr_grpo``: ``R - mean`` (Dr. GRPO: no std division, no difficulty bias).
+    - ``rloo``: ``R - mean of the other responses`` = ``n/(n-1) (R - mean)``.
+    """
+    if estimator not in ESTIMATORS:
+        raise ValueError(f"unknown advantage estimator {estimator!r}; valid: {', '.join(ESTIMATORS)}")
+    if rewards.numel() % group_size:
+        raise ValueError(f"{rewards.numel()} rewards do not split into groups of {group_size}")
+    r = rewards.float().view(-1, group_size)
+    centred = r - r.mean(-1, keepdim=True)
+    if group_size == 1:
+        return torch.zeros_like(rewards, dtype=torch.float32)
+    if estimator == "grpo":
+        adv = centred / (r.std(-1, keepdim=True) + eps)
+    elif estimator == "dr_grpo":
+        adv = centred
+    else:
+        adv = centred * group_size / (group_size - 1)
+    return adv.reshape(-1)
+
+
+def mixed_groups(correct: Tensor, group_size: int) -> Tensor:
+    """DAPO dynamic sampling: bool ``[num_groups]``, True where the group's accuracy has non-zero variance."""
+    c = correct.float().view(-1, group_size)
+    return (c.max(-1).values != c.min(-1).values) | (group_size == 1)

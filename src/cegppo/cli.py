@@ -1,0 +1,221 @@
+"""Command line: ``cegppo train | sft | eval | compare``. Bad input exits with one clear line, not a traceback."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import resource
+import sys
+import time
+from importlib import resources
+from pathlib import Path
+
+log = logging.getLogger("cegppo")
+
+
+def example_config(name: str) -> Path:
+    """A config bundled with the package (``examples/<name>.yaml``)."""
+    path = Path(str(resources.files("cegppo") / "examples" / f"{name}.yaml"))
+    if not path.is_file():
+        raise FileNotFoundError(f"no bundled example config {name!r}")
+    return path
+
+
+def _resolve_config(arg: str | None) -> Path:
+    if arg is None:
+        return example_config("quickstart")
+    p = Path(arg)
+    if p.exists() or arg.endswith((".yaml", ".yml")):
+        return p
+    return example_config(arg)  # a bundled name: quickstart, tiny, paper_1p5b, paper_7b
+
+
+def peak_rss_mb() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def run_training(cfg, resume: bool = False) -> dict:
+    """Base eval -> optional warm-start (+ eval) -> RL -> final eval; writes summary.json and the PNG."""
+    from cegppo.plots import plot_run
+    from cegppo.sft import supervised_warmup
+    from cegppo.trainer import Trainer, write_summary
+
+    t0 = time.perf_counter()
+    trainer = Trainer(cfg, resume=resume)
+    evals = {}
+    if not trainer.state.get("warm_started"):
+        if trainer.test_problems:
+            evals["base"] = trainer.log_eval("base", trainer.evaluate())["accuracy"]
+            log.info("held-out accuracy, base model: %.3f", evals["base"])
+        if cfg.sft.steps:
+            supervised_warmup(trainer.model, trainer.tokenizer, trainer.train_problems, cfg.sft.steps, cfg.sft.batch_size,
+                              cfg.sft.lr, cfg.sft.warmup_steps, cfg.train.seed,
+                              autocast=cfg.model.precision == "bf16-autocast", progress=cfg.logging.progress)
+            trainer.engine.sync(trainer.model)
+            if trainer.test_problems:
+                evals["warm-start"] = trainer.log_eval("warm-start", trainer.evaluate())["accuracy"]
+                log.info("held-out accuracy after warm-start: %.3f", evals["warm-start"])
+        trainer.state["warm_started"] = True
+        if cfg.train.save_every:
+            trainer.save()  # step 0: a resume never repeats the warm-start
+    rows = trainer.train()
+    if trainer.test_problems:
+        evals["final"] = trainer.log_eval("final", trainer.evaluate())["accuracy"]
+        log.info("held-out accuracy after RL: %.3f", evals["final"])
+    from cegppo.io import read_jsonl
+
+    all_rows = read_jsonl(trainer.metrics_path)
+    summary = {
+        "steps": trainer.state["step"],
+        "wall_time_s": time.perf_counter() - t0,
+        "peak_rss_mb": peak_rss_mb(),
+        "heldout_accuracy": evals,
+        "entropy_first": all_rows[0].get("entropy") if all_rows else None,
+        "entropy_last": all_rows[-1].get("entropy") if all_rows else None,
+        "steps_this_session": len(rows),
+    }
+    write_summary(trainer.run_dir, summary)
+    plot_run(trainer.run_dir)
+    return summary
+
+
+def cmd_train(args) -> int:
+    from cegppo.config import load_config
+
+    cfg = load_config(_resolve_config(args.config), args.overrides)
+    summary = run_training(cfg, resume=args.resume)
+    print(json.dumps(summary, indent=2))
+    print(f"run directory: {cfg.output_dir} (metrics.jsonl, eval.jsonl, training_curves.png, checkpoints/)")
+    return 0
+
+
+def cmd_sft(args) -> int:
+    from cegppo.config import load_config
+    from cegppo.models import load_model
+    from cegppo.sft import supervised_warmup
+    from cegppo.trainer import load_splits
+
+    cfg = load_config(_resolve_config(args.config), args.overrides)
+    model, tok = load_model(cfg.model.name)
+    train, _ = load_splits(cfg)
+    steps = cfg.sft.steps or 40
+    losses = supervised_warmup(model, tok, train, steps, cfg.sft.batch_size, cfg.sft.lr, cfg.sft.warmup_steps,
+                               cfg.train.seed, autocast=cfg.model.precision == "bf16-autocast")
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(out, safe_serialization=True)
+    tok.save_pretrained(out)
+    print(f"SFT {steps} steps: loss {losses[0]:.3f} -> {losses[-1]:.3f}; saved to {out}")
+    return 0
+
+
+def cmd_eval(args) -> int:
+    from cegppo.data import load_problems
+    from cegppo.evaluation import evaluate
+    from cegppo.io import atomic_write_text
+    from cegppo.models import load_model
+    from cegppo.rewards import load_reward
+    from cegppo.rollout import HFRollout, Sampling
+    from cegppo.tasks import make_task
+
+    model, tok = load_model(args.model)
+    problems = []
+    for spec in args.data:
+        if Path(spec).exists() or spec.endswith((".jsonl", ".json", ".parquet")):
+            problems += load_problems(spec)
+        else:
+            problems += make_task(spec, "test", args.num_problems or 64, seed=args.seed, difficulty=args.difficulty)
+    if args.num_problems:
+        problems = problems[: args.num_problems] if len(args.data) == 1 else problems
+    engine = HFRollout(model, tok, args.max_prompt_tokens, dtype=getattr(__import__("torch"), args.dtype))
+    reward = load_reward(args.reward)
+    import torch
+
+    torch.manual_seed(args.seed)
+    result = evaluate(engine, problems, reward, args.k, Sampling(args.temperature, args.top_p, 0, args.max_new_tokens),
+                      batch_prompts=args.batch_prompts)
+    print(f"| data source | problems | avg@{args.k} | pass@{args.k} | maj@{args.k} |\n|---|---|---|---|---|")
+    for src, s in result.summary.items():
+        print(f"| {src} | {s['num_problems']} | {s['avg@k']:.4f} | {s['pass@k']:.4f} | {s['maj@k']:.4f} |")
+    if args.out:
+        out = Path(args.out)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        atomic_write_text(out, "".join(json.dumps(r) + "\n" for r in result.rows))
+        atomic_write_text(out.with_suffix(".summary.json"), json.dumps(result.summary, indent=2))
+        print(f"per-problem results: {out}")
+    return 0
+
+
+def cmd_compare(args) -> int:
+    from cegppo.compare import compare_runs
+
+    paths = compare_runs([Path(r) for r in args.runs], Path(args.out))
+    for p in paths:
+        print(p)
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="cegppo", description="CE-GPPO RL fine-tuning on verifiable rewards")
+    sub = p.add_subparsers(dest="command")
+
+    t = sub.add_parser("train", help="RL training (default: the quickstart on the bundled SmolLM2-135M)")
+    t.add_argument("config", nargs="?", help="YAML file or bundled name (quickstart, tiny, paper_1p5b, paper_7b)")
+    t.add_argument("overrides", nargs="*", help="dotted key=value overrides, e.g. algorithm.hparams.beta1=0.5")
+    t.add_argument("--resume", action="store_true", help="continue from the newest intact checkpoint in output_dir")
+    t.set_defaults(fn=cmd_train)
+
+    s = sub.add_parser("sft", help="supervised warm-start on a task's reference solutions")
+    s.add_argument("config", nargs="?")
+    s.add_argument("overrides", nargs="*")
+    s.add_argument("--out", required=True, help="output model directory")
+    s.set_defaults(fn=cmd_sft)
+
+    e = sub.add_parser("eval", help="avg@k / pass@k / maj@k of a model on datasets or built-in tasks")
+    e.add_argument("--model", required=True, help="preset, local directory or hub name")
+    e.add_argument("--data", nargs="+", required=True, help="dataset files (.jsonl/.json/.parquet) or task names")
+    e.add_argument("--k", type=int, default=1)
+    e.add_argument("--temperature", type=float, default=0.6)
+    e.add_argument("--top-p", type=float, default=0.95)
+    e.add_argument("--max-new-tokens", type=int, default=256)
+    e.add_argument("--max-prompt-tokens", type=int, default=1024)
+    e.add_argument("--num-problems", type=int, default=0, help="limit (0 = all)")
+    e.add_argument("--difficulty", type=int, default=1)
+    e.add_argument("--reward", default="math-strict")
+    e.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    e.add_argument("--batch-prompts", type=int, default=16)
+    e.add_argument("--seed", type=int, default=0)
+    e.add_argument("--out", help="per-problem results JSONL")
+    e.set_defaults(fn=cmd_eval)
+
+    c = sub.add_parser("compare", help="plots and a summary table comparing run directories")
+    c.add_argument("runs", nargs="+")
+    c.add_argument("--out", required=True)
+    c.set_defaults(fn=cmd_compare)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if not argv:
+        argv = ["train"]  # `cegppo` alone runs the quickstart too
+    args = build_parser().parse_args(argv)
+    if args.command is None:
+        args = build_parser().parse_args(["train"])
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    from cegppo.config import ConfigError
+    from cegppo.data import DatasetError
+    from cegppo.models import ModelLoadError
+    from cegppo.trainer import TrainingError
+    from cegppo.checkpoint import CheckpointError
+
+    try:
+        return args.fn(args)
+    except (ConfigError, DatasetError, ModelLoadError, TrainingError, CheckpointError, FileNotFoundError) as e:
+        print(f"cegppo {args.command}: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())
