@@ -199,6 +199,10 @@ def _build(cls: type, data: dict, where: str) -> Any:
     return cls(**kwargs)
 
 
+class _Replace(dict):
+    """An override whose value is a whole mapping: it replaces the section instead of merging into it."""
+
+
 def _set_dotted(tree: dict, dotted: str, value: Any) -> None:
     parts = dotted.split(".")
     node = tree
@@ -206,11 +210,14 @@ def _set_dotted(tree: dict, dotted: str, value: Any) -> None:
         node = node.setdefault(p, {})
         if not isinstance(node, dict):
             raise ConfigError(f"override {dotted!r}: {p!r} is not a section")
-    node[parts[-1]] = value
+    node[parts[-1]] = _Replace(value) if isinstance(value, dict) else value
 
 
 def parse_overrides(overrides: list[str]) -> dict:
-    """``["algorithm.hparams.beta1=0.5", "train.steps=3"]`` -> nested dict (values parsed as YAML scalars)."""
+    """``["algorithm.hparams.beta1=0.5", "train.steps=3"]`` -> nested dict (values parsed as YAML scalars).
+
+    ``algorithm.hparams={}`` replaces the whole mapping; ``algorithm.hparams.beta1=0.5`` changes one entry.
+    """
     tree: dict = {}
     for item in overrides:
         if "=" not in item:
@@ -227,9 +234,12 @@ def parse_overrides(overrides: list[str]) -> dict:
 def _merge(base: dict, extra: dict) -> dict:
     out = dict(base)
     for k, v in extra.items():
-        out[k] = _merge(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) and k != "hparams" else v
-        if k == "hparams" and isinstance(v, dict) and isinstance(base.get(k), dict):
-            out[k] = {**base[k], **v}
+        if isinstance(v, _Replace):
+            out[k] = dict(v)
+        elif isinstance(v, dict) and isinstance(out.get(k), dict):
+            out[k] = _merge(out[k], v)
+        else:
+            out[k] = v
     return out
 
 

@@ -1,0 +1,299 @@
+"""The shared problem record and dataset loading (verl and plain schemas; JSONL, JSON, Parquet).
+
+Errors are `DatasetError`s that name the file and row (`data.jsonl:17` for JSON lines — 1-based line
+numbers; `data.json[16]` for JSON arrays and Parquet — 0-based row index) and say what was expected.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Iterator
+
+log = logging.getLogger(__name__)
+
+SCHEMAS = ("auto", "verl", "plain")
+VERL_HELP = "expected the verl schema: prompt=[{role, content}], reward_model.ground_truth=str"
+PLAIN_HELP = "expected the plain schema: question (or problem)=str, answer=str, optional solution=str, id"
+_PLAIN_PROMPT_KEYS = ("question", "problem")
+_MISSING = object()
+
+
+class DatasetError(ValueError):
+    """A dataset file could not be read; the message names file, row and key."""
+
+
+@dataclass(frozen=True)
+class Problem:
+    """One prompt with its reference answer. `copies` counts identical rows merged into this one."""
+
+    id: str
+    messages: list[dict]  # chat messages [{"role": ..., "content": ...}]
+    answer: str
+    solution: str | None = None  # reference solution ending in \boxed{answer} (SFT warm-start)
+    data_source: str = ""
+    copies: int = 1
+
+    def __hash__(self) -> int:
+        # The generated hash would fail on the `messages` list; hash an immutable view instead.
+        return hash((self.id, self.answer, tuple((m["role"], m["content"]) for m in self.messages)))
+
+    @property
+    def prompt_text(self) -> str:
+        """Content of the last user message (the question itself)."""
+        return next(m["content"] for m in reversed(self.messages) if m["role"] == "user")
+
+
+def prompt_id(messages: list[dict]) -> str:
+    """Stable id of a prompt: first 12 hex of sha1 of the canonical JSON of its messages."""
+    canon = json.dumps([{"role": m["role"], "content": m["content"]} for m in messages],
+                       ensure_ascii=False, sort_keys=True, separators=(",", ":"))
+    return hashlib.sha1(canon.encode("utf-8")).hexdigest()[:12]
+
+
+# ----------------------------------------------------------------------------------------------------
+# reading rows
+
+
+def _iter_jsonl(path: Path) -> Iterator[tuple[str, Any]]:
+    # Parsed line by line so that a malformed line is reported as file:line.
+    with open(path, encoding="utf-8") as fh:
+        for lineno, line in enumerate(fh, start=1):
+            if not line.strip():
+                continue
+            try:
+                yield f"{path}:{lineno}", json.loads(line)
+            except json.JSONDecodeError as e:
+                raise DatasetError(f"{path}:{lineno}: malformed JSON ({e.msg} at column {e.colno})") from e
+
+
+def _iter_json(path: Path) -> Iterator[tuple[str, Any]]:
+    text = path.read_text(encoding="utf-8")
+    if not text.lstrip().startswith("["):
+        # A .json file that is not an array is read as JSON lines (a common mislabelling).
+        yield from _iter_jsonl(path)
+        return
+    try:
+        rows = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise DatasetError(f"{path}:{e.lineno}: malformed JSON ({e.msg} at column {e.colno})") from e
+    for i, row in enumerate(rows):
+        yield f"{path}[{i}]", row
+
+
+def _iter_parquet(path: Path) -> Iterator[tuple[str, Any]]:
+    import datasets
+
+    try:
+        ds = datasets.load_dataset("parquet", data_files=str(path), split="train")
+    except Exception as e:  # noqa: BLE001 - any reader failure is a bad file
+        raise DatasetError(f"{path}: could not read Parquet file ({type(e).__name__}: {e})") from e
+    for i, row in enumerate(ds):
+        yield f"{path}[{i}]", row
+
+
+_READERS = {".jsonl": _iter_jsonl, ".json": _iter_json, ".parquet": _iter_parquet}
+
+
+# ----------------------------------------------------------------------------------------------------
+# row -> fields
+
+
+def _get(row: dict, dotted: str) -> Any:
+    """Nested lookup: 'reward_model.ground_truth' -> row['reward_model']['ground_truth']."""
+    cur: Any = row
+    for part in dotted.split("."):
+        if not isinstance(cur, dict) or part not in cur:
+            return _MISSING
+        cur = cur[part]
+    return cur
+
+
+def _detect_schema(loc: str, row: dict, prompt_key: str | None) -> str:
+    if "reward_model" in row or isinstance(row.get(prompt_key or "prompt"), list):
+        return "verl"
+    if any(k in row for k in _PLAIN_PROMPT_KEYS) or (prompt_key and isinstance(row.get(prompt_key), str)):
+        return "plain"
+    raise DatasetError(f"{loc}: cannot detect the schema from keys {sorted(row)}; {VERL_HELP}; or "
+                       f"{PLAIN_HELP} (or pass schema=/prompt_key=/answer_key=)")
+
+
+def _messages(loc: str, value: Any, key: str, help_: str) -> list[dict]:
+    if isinstance(value, str):
+        if not value.strip():
+            raise DatasetError(f"{loc}: empty prompt in {key!r}")
+        return [{"role": "user", "content": value}]
+    if not isinstance(value, list):
+        raise DatasetError(f"{loc}: {key!r} is {type(value).__name__}; expected a list of "
+                           f"{{role, content}} messages or a string ({help_})")
+    if not value:
+        raise DatasetError(f"{loc}: empty prompt: {key!r} is an empty list")
+    msgs = []
+    for j, m in enumerate(value):
+        if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
+            raise DatasetError(f"{loc}: {key}[{j}] is {m!r:.80}; expected {{'role': str, 'content': str}}")
+        msgs.append({"role": m["role"], "content": m["content"]})
+    if not any(m["role"] == "user" for m in msgs):
+        raise DatasetError(f"{loc}: {key!r} has no message with role 'user'")
+    if not any(m["content"].strip() for m in msgs):
+        raise DatasetError(f"{loc}: empty prompt: every message in {key!r} has empty content")
+    return msgs
+
+
+def _answer(loc: str, value: Any, key: str, help_: str) -> str:
+    if value is _MISSING:
+        raise DatasetError(f"{loc}: missing {key!r} ({help_})")
+    # bool is an int subclass but never a meaningful math answer.
+    if isinstance(value, bool) or not isinstance(value, (str, int, float)):
+        raise DatasetError(f"{loc}: {key!r} is {type(value).__name__} ({value!r:.60}); expected a string "
+                           f"(numbers are accepted and converted)")
+    if isinstance(value, float):
+        if not math.isfinite(value):
+            raise DatasetError(f"{loc}: {key!r} is {value!r}; expected a finite number or a string")
+        value = str(int(value)) if value.is_integer() else repr(value)
+    elif isinstance(value, int):
+        value = str(value)
+    if not value.strip():
+        raise DatasetError(f"{loc}: {key!r} is an empty string")
+    return value.strip()
+
+
+def _optional_str(loc: str, row: dict, key: str) -> str | None:
+    v = _get(row, key)
+    if v is _MISSING or v is None:
+        return None
+    if not isinstance(v, str):
+        raise DatasetError(f"{loc}: {key!r} is {type(v).__name__}; expected a string")
+    return v
+
+
+def _parse_row(loc: str, row: Any, schema: str, keys: dict[str, str | None], default_source: str,
+               explicit_source: str | None) -> tuple[Problem, bool]:
+    """Return (problem, has_explicit_id)."""
+    if not isinstance(row, dict):
+        raise DatasetError(f"{loc}: row is {type(row).__name__}; expected a JSON object")
+    help_ = VERL_HELP if schema == "verl" else PLAIN_HELP
+    # prompt
+    if keys["prompt"]:
+        pkey = keys["prompt"]
+    elif schema == "verl":
+        pkey = "prompt"
+    else:
+        pkey = next((k for k in _PLAIN_PROMPT_KEYS if k in row), "question")
+    pval = _get(row, pkey)
+    if pval is _MISSING:
+        raise DatasetError(f"{loc}: missing {pkey!r} ({help_})")
+    if schema == "verl" and not isinstance(pval, list):
+        raise DatasetError(f"{loc}: {pkey!r} is {type(pval).__name__}; {VERL_HELP}")
+    if schema == "plain" and not isinstance(pval, str):
+        raise DatasetError(f"{loc}: {pkey!r} is {type(pval).__name__}; {PLAIN_HELP}")
+    messages = _messages(loc, pval, pkey, help_)
+    # answer
+    akey = keys["answer"] or ("reward_model.ground_truth" if schema == "verl" else "answer")
+    answer = _answer(loc, _get(row, akey), akey, help_)
+    # id: explicit column if configured (then required) or a plain 'id' column if present
+    ikey = keys["id"] or ("id" if schema == "plain" else None)
+    has_id = False
+    pid = prompt_id(messages)
+    if ikey is not None:
+        v = _get(row, ikey)
+        if v is _MISSING or v is None:
+            if keys["id"]:
+                raise DatasetError(f"{loc}: missing id column {ikey!r} (passed as id_key)")
+        elif isinstance(v, bool) or not isinstance(v, (str, int)) or not str(v).strip():
+            raise DatasetError(f"{loc}: id {ikey!r} is {v!r:.60}; expected a non-empty string or an int")
+        else:
+            pid, has_id = str(v), True
+    # solution
+    skey = keys["solution"] or ("solution" if schema == "plain" else None)
+    solution = _optional_str(loc, row, skey) if skey else None
+    if keys["solution"] and solution is None:
+        raise DatasetError(f"{loc}: missing solution column {skey!r} (passed as solution_key)")
+    # data source: argument > row > file stem
+    if explicit_source is not None:
+        source = explicit_source
+    else:
+        src = _get(row, "data_source")
+        if src is not _MISSING and src is not None and not isinstance(src, str):
+            raise DatasetError(f"{loc}: 'data_source' is {type(src).__name__}; expected a string")
+        source = src if isinstance(src, str) and src else default_source
+    return Problem(id=pid, messages=messages, answer=answer, solution=solution, data_source=source), has_id
+
+
+# ----------------------------------------------------------------------------------------------------
+# public API
+
+
+def load_problems(path: str | Path, *, schema: str = "auto", prompt_key: str | None = None,
+                  answer_key: str | None = None, id_key: str | None = None, data_source: str | None = None,
+                  dedupe: bool = True, solution_key: str | None = None) -> list[Problem]:
+    """Load problems from a local .jsonl / .json / .parquet file.
+
+    schema: "verl" (prompt=list of messages, reward_model.ground_truth, data_source), "plain"
+    (question|problem, answer, optional solution and id) or "auto" (detected from the first row).
+    Keys may be dotted paths into nested objects. Rows with identical messages and answer are merged
+    (copies counted) when dedupe=True; the same prompt with two different answers is always an error.
+    Without an id column the id is `prompt_id(messages)`. data_source: argument, else the row's
+    'data_source', else the file stem.
+    """
+    path = Path(path)
+    if schema not in SCHEMAS:
+        raise ValueError(f"schema must be one of {SCHEMAS}, got {schema!r}")
+    if not path.exists():
+        raise DatasetError(f"{path}: file not found")
+    if not path.is_file():
+        raise DatasetError(f"{path}: not a file")
+    reader = _READERS.get(path.suffix.lower())
+    if reader is None:
+        raise DatasetError(f"{path}: unknown extension {path.suffix!r}; expected one of {sorted(_READERS)}")
+    keys = {"prompt": prompt_key, "answer": answer_key, "id": id_key, "solution": solution_key}
+
+    problems: list[Problem] = []
+    first_loc: dict[str, str] = {}  # prompt key -> location of its first row
+    index_of: dict[str, int] = {}  # prompt key -> index in problems (dedupe)
+    id_owner: dict[str, tuple[str, str]] = {}  # explicit id -> (content key, location)
+    converted = 0
+    for loc, row in reader(path):
+        if schema == "auto" and not problems and not first_loc:
+            if not isinstance(row, dict):
+                raise DatasetError(f"{loc}: row is {type(row).__name__}; expected a JSON object")
+            schema = _detect_schema(loc, row, prompt_key)
+        prob, has_id = _parse_row(loc, row, schema, keys, path.stem, data_source)
+        if isinstance(_get(row, keys["answer"] or ("reward_model.ground_truth" if schema == "verl"
+                                                   else "answer")), (int, float)):
+            converted += 1
+        pkey = json.dumps(prob.messages, sort_keys=True, ensure_ascii=False)
+        content = pkey + "\x00" + prob.answer
+        if has_id:
+            prev = id_owner.get(prob.id)
+            if prev is not None and prev[0] != content:
+                raise DatasetError(f"{loc}: id {prob.id!r} was already used by {prev[1]} for a different "
+                                   f"prompt or answer; ids must be unique")
+            id_owner.setdefault(prob.id, (content, loc))
+        if pkey in first_loc:
+            j = index_of[pkey]
+            if problems[j].answer != prob.answer:
+                raise DatasetError(f"{loc}: same prompt as {first_loc[pkey]} but a different answer "
+                                   f"({prob.answer!r} vs {problems[j].answer!r})")
+            if dedupe:
+                old = problems[j]
+                if prob.solution is not None and old.solution is not None and prob.solution != old.solution:
+                    log.warning("%s: duplicate of %s with a different solution; keeping the first",
+                                loc, first_loc[pkey])
+                problems[j] = Problem(id=old.id, messages=old.messages, answer=old.answer,
+                                      solution=old.solution if old.solution is not None else prob.solution,
+                                      data_source=old.data_source, copies=old.copies + 1)
+                continue
+        else:
+            first_loc[pkey] = loc
+            index_of[pkey] = len(problems)
+        problems.append(prob)
+    if not problems:
+        raise DatasetError(f"{path}: no rows")
+    if converted:
+        log.info("%s: %d numeric answers converted to strings", path, converted)
+    return problems

@@ -1,0 +1,245 @@
+"""CE-GPPO for TRL 1.16.x: ``CEGPPOConfig(GRPOConfig)`` and ``CEGPPOTrainer(GRPOTrainer)``.
+
+The trainer overrides only ``_compute_loss``. It computes per-token log-probs and entropies with TRL's own
+helper, takes the per-token loss from :func:`cegppo.objectives.get_objective`, and keeps TRL's handling of
+everything around it, as in TRL 1.16.0's ``loss_type="dapo"``:
+
+- normalisation: masked token sum / ``num_items_in_batch`` rescaled to one accumulation window (``dapo``);
+- the completion (and tool) mask, ``top_entropy_quantile``, ``off_policy_mask_threshold``, the vLLM
+  importance-sampling correction, the KL term (``beta`` > 0), the entropy bonus (static or adaptive), and the
+  MoE aux loss.
+
+Metrics logged (token-weighted over all processes): TRL's ``entropy``, ``kl``, ``clip_ratio/{low,high,region}_mean``,
+plus ``clip/low_frac``, ``clip/high_frac``, ``clip/dual_frac``, ``ppo_kl``, ``ratio/mean`` and the quadrant metrics
+``quadrant/<Q>/{frac,entropy}`` (Q in PA_HP, PA_LP, NA_HP, NA_LP) of :func:`cegppo.diagnostics.quadrant_metrics`,
+using the entropies TRL computes (no ``dH``: that needs the collision term, which TRL does not compute).
+
+CE-GPPO only differs from GRPO/DAPO when the update is off-policy (ratio != 1): use ``num_iterations > 1`` or
+``steps_per_generation > gradient_accumulation_steps``. The trainer warns otherwise.
+
+Example::
+
+    from cegppo.integrations.trl import CEGPPOConfig, CEGPPOTrainer
+    args = CEGPPOConfig(output_dir="out", beta1=0.75, beta2=1.0, epsilon=0.2, num_iterations=2, ...)
+    CEGPPOTrainer(model="path/or/name", reward_funcs=[...], args=args, train_dataset=ds).train()
+"""
+
+from __future__ import annotations
+
+import warnings
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from trl import GRPOConfig, GRPOTrainer
+
+from cegppo.diagnostics import quadrant_metrics, region_metrics
+from cegppo.objectives import OBJECTIVES, Objective, aggregate, get_objective
+
+__all__ = ["CEGPPOConfig", "CEGPPOTrainer", "ON_POLICY_WARNING", "TRL_OBJECTIVES", "is_on_policy"]
+
+# token-level clipped objectives whose hyperparameters map onto GRPOConfig's epsilon / epsilon_high
+TRL_OBJECTIVES = ("ce_gppo", "gppo", "ppo_clip")
+
+ON_POLICY_WARNING = (
+    "CEGPPOTrainer: this configuration keeps every update on-policy (num_iterations == 1 and "
+    "steps_per_generation <= gradient_accumulation_steps), so the importance ratio is identically 1, no token "
+    "ever leaves the clip interval, and CE-GPPO is exactly GRPO/DAPO. Set num_iterations > 1 or "
+    "steps_per_generation > gradient_accumulation_steps to let beta1/beta2 act."
+)
+
+# optional model inputs TRL forwards to `_get_per_token_logps_and_entropies` (multimodal models)
+_MODEL_KWARGS = ("pixel_values", "image_grid_thw", "num_images", "pixel_attention_mask", "spatial_shapes", "num_tiles",
+                 "image_sizes", "token_type_ids", "mm_token_type_ids", "image_position_ids")
+
+
+@dataclass
+class CEGPPOConfig(GRPOConfig):
+    """``GRPOConfig`` plus CE-GPPO's hyperparameters.
+
+    The clip bounds are GRPOConfig's: ``epsilon`` (eps_low) and ``epsilon_high`` (eps_high, defaults to
+    ``epsilon``). ``beta`` stays TRL's KL coefficient; ``beta1``/``beta2`` are CE-GPPO's.
+
+    Parameters:
+        objective: ``"ce_gppo"`` (default), ``"gppo"`` (beta1 = beta2 = 1) or ``"ppo_clip"`` (PPO clip with the
+            dual clip; ``beta1`` and ``beta2`` are ignored by the last two).
+        beta1: gradient coefficient of the tokens with A < 0 and ratio < 1 - epsilon (authors: 0.5 at 1.5B, 0.75 at 7B).
+        beta2: gradient coefficient of the tokens with A > 0 and ratio > 1 + epsilon_high (authors: 1.0).
+        clip_ratio_c: dual-clip bound for A < 0 (ratio > c: constant loss, zero gradient); None disables it.
+    """
+
+    objective: str = field(default="ce_gppo", metadata={"help": f"one of {', '.join(TRL_OBJECTIVES)}"})
+    beta1: float = field(default=0.75, metadata={"help": "CE-GPPO beta1 (A < 0, ratio < 1 - epsilon)"})
+    beta2: float = field(default=1.0, metadata={"help": "CE-GPPO beta2 (A > 0, ratio > 1 + epsilon_high)"})
+    clip_ratio_c: float | None = field(default=10.0, metadata={"help": "dual-clip bound for A < 0; None: off"})
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.objective not in TRL_OBJECTIVES:
+            raise ValueError(f"CEGPPOConfig.objective must be one of {TRL_OBJECTIVES}, got {self.objective!r}")
+        if self.loss_type != "dapo":
+            raise ValueError(
+                f"CEGPPOConfig: loss_type={self.loss_type!r} is not used; CEGPPOTrainer computes the per-token loss "
+                "from `objective` and normalises it like loss_type='dapo' (keep the default)."
+            )
+        if self.importance_sampling_level != "token":
+            raise ValueError("CEGPPOConfig: CE-GPPO clips per-token ratios; importance_sampling_level must be 'token'")
+        if self.delta is not None:
+            raise ValueError("CEGPPOConfig: use clip_ratio_c (dual clip) instead of delta")
+        self.build_objective()  # validate the hyperparameters now rather than at the first loss
+
+    def build_objective(self) -> Objective:
+        """The :class:`cegppo.objectives.Objective` this config describes."""
+        eps_high = self.epsilon_high if self.epsilon_high is not None else self.epsilon
+        hp: dict[str, Any] = dict(eps_low=self.epsilon, eps_high=eps_high, clip_ratio_c=self.clip_ratio_c)
+        if self.objective == "ce_gppo":
+            hp.update(beta1=self.beta1, beta2=self.beta2)
+        hp = {k: v for k, v in hp.items() if k in OBJECTIVES[self.objective].defaults}
+        return get_objective(self.objective, **hp)
+
+
+def is_on_policy(args: GRPOConfig) -> bool:
+    """True when TRL never reuses a generation batch for a second optimizer step: ratio == 1 exactly."""
+    return args.num_iterations == 1 and args.steps_per_generation <= args.gradient_accumulation_steps
+
+
+class CEGPPOTrainer(GRPOTrainer):
+    """``GRPOTrainer`` whose policy loss is CE-GPPO (or GPPO / PPO-clip), with entropy-quadrant diagnostics."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        if not isinstance(self.args, CEGPPOConfig):
+            raise TypeError(f"CEGPPOTrainer needs args=CEGPPOConfig(...), got {type(self.args).__name__}")
+        self.objective = self.args.build_objective()
+        if is_on_policy(self.args):
+            warnings.warn(ON_POLICY_WARNING, UserWarning, stacklevel=2)
+
+    def _compute_loss(self, model: Any, inputs: dict[str, Any]) -> torch.Tensor:
+        prompt_ids, prompt_mask = inputs["prompt_ids"], inputs["prompt_mask"]
+        completion_ids, completion_mask = inputs["completion_ids"], inputs["completion_mask"]
+        input_ids = torch.cat([prompt_ids, completion_ids], dim=1)
+        attention_mask = torch.cat([prompt_mask, completion_mask], dim=1)
+        logits_to_keep = completion_ids.size(1)
+        mask = completion_mask if "tool_mask" not in inputs else completion_mask * inputs["tool_mask"]
+
+        per_token_logps, entropies, aux_loss = self._get_per_token_logps_and_entropies(
+            model, input_ids, attention_mask, logits_to_keep, compute_entropy=True,
+            compute_aux_loss=self.aux_loss_enabled, **{k: inputs.get(k) for k in _MODEL_KWARGS},
+        )
+        entropy_mask = (
+            self.get_high_entropy_mask(entropies, mask, 1 - self.top_entropy_quantile)
+            if self.top_entropy_quantile < 1.0 else None
+        )
+
+        advantages = inputs["advantages"]
+        if advantages.dim() == 1:
+            advantages = advantages.unsqueeze(1)
+        old_per_token_logps = inputs.get("old_per_token_logps")
+        old_per_token_logps = per_token_logps.detach() if old_per_token_logps is None else old_per_token_logps
+
+        # the objective: per-token loss (value and gradient) from cegppo, not re-derived here
+        per_token_loss = self.objective.token_loss(per_token_logps, old_per_token_logps, advantages, mask)
+
+        if self.off_policy_mask_threshold is not None:
+            sampling_per_token_logps = inputs.get("sampling_per_token_logps", old_per_token_logps)
+            per_token_loss = per_token_loss * self.get_off_policy_mask(
+                advantages=advantages, per_token_logps=per_token_logps,
+                sampling_per_token_logps=sampling_per_token_logps, mask=mask,
+                off_policy_threshold=self.off_policy_mask_threshold,
+            )
+        if entropy_mask is not None:
+            per_token_loss = per_token_loss * entropy_mask
+        if self.use_vllm and self.vllm_importance_sampling_correction:
+            per_token_loss = per_token_loss * inputs["importance_sampling_ratio"]
+        if self.beta != 0.0:  # TRL's k3 KL to the reference model, with its importance-sampling correction
+            ref_per_token_logps = inputs["ref_per_token_logps"]
+            per_token_kl = (
+                torch.exp(ref_per_token_logps - per_token_logps) - (ref_per_token_logps - per_token_logps) - 1
+            )
+            if self.args.use_bias_correction_kl:
+                per_token_kl = per_token_kl * torch.exp(per_token_logps - old_per_token_logps)
+            per_token_loss = per_token_loss + self.beta * per_token_kl
+
+        mode = "train" if self.model.training else "eval"
+        # loss_type="dapo" normalisation: `num_items_in_batch` spans the generation batch; rescale it to one
+        # accumulation window (train) so the micro-batch losses sum to the window's token mean
+        normalizer = inputs["num_items_in_batch"].clamp(min=1.0) / self.accelerator.num_processes
+        if mode == "train":
+            normalizer = normalizer * self.current_gradient_accumulation_steps / self.args.steps_per_generation
+        loss = aggregate(per_token_loss, mask, "token-mean", num_tokens=normalizer)
+        policy_loss = loss.detach()
+
+        if self._entropy_bonus_enabled:
+            loss = loss - self._entropy_bonus(entropies, mask, entropy_mask, policy_loss, mode)
+
+        if self.aux_loss_enabled:
+            normalizer = self.current_gradient_accumulation_steps if mode == "train" else 1.0
+            loss = loss + self.router_aux_loss_coef * aux_loss / normalizer
+            self._metrics[mode]["aux_loss"].append(self.accelerator.gather_for_metrics(aux_loss).mean().item())
+
+        self._log_metrics(mode, per_token_logps, old_per_token_logps, advantages, mask, entropies,
+                          per_token_kl if self.beta != 0.0 else None)
+        return loss
+
+    # ----------------------------------------------------------------------------------------------------
+    # pieces of GRPOTrainer._compute_loss (TRL 1.16.0) kept as they are there
+
+    def _entropy_bonus(self, entropies: torch.Tensor, mask: torch.Tensor, entropy_mask: torch.Tensor | None,
+                       policy_loss: torch.Tensor, mode: str) -> torch.Tensor:
+        """``coef * mean entropy`` exactly as TRL 1.16.0 (static or adaptive coefficient, same metrics)."""
+        effective_mask = mask if entropy_mask is None else mask * entropy_mask
+        accumulation_factor = self.current_gradient_accumulation_steps if mode == "train" else 1.0
+        entropy_loss = (entropies * effective_mask).sum() / effective_mask.sum().clamp(min=1.0) / accumulation_factor
+        if self.use_adaptive_entropy:
+            apply_coef = self.entropy_coef if self._last_world_entropy <= self.args.entropy_target else 0.0
+        else:
+            apply_coef = self.entropy_coef
+        self._metrics[mode]["policy_loss"].append(self.accelerator.gather(policy_loss).nanmean().item())
+        if self.use_adaptive_entropy and mode == "train":
+            stats = torch.stack([(entropies * effective_mask).sum(), effective_mask.sum()]).detach()
+            self._entropy_window_stats = stats if self._entropy_window_stats is None else self._entropy_window_stats + stats
+            if self.accelerator.sync_gradients:
+                window_stats = self.accelerator.reduce(self._entropy_window_stats, reduction="sum")
+                world_entropy = (window_stats[0] / window_stats[1].clamp(min=1.0)).item()
+                if world_entropy <= self.args.entropy_target:
+                    self.entropy_coef = min(self.entropy_coef + self.args.entropy_coef_delta, self.args.entropy_coef_max)
+                else:
+                    self.entropy_coef = max(self.entropy_coef - self.args.entropy_coef_delta, self.args.entropy_coef_min)
+                self._last_world_entropy = world_entropy
+                self._entropy_window_stats = None
+        if mode == "train" and self.accelerator.sync_gradients:
+            self._metrics[mode]["entropy_coef"].append(self.entropy_coef)
+        return apply_coef * entropy_loss
+
+    @torch.no_grad()
+    def _log_metrics(self, mode: str, per_token_logps: torch.Tensor, old_per_token_logps: torch.Tensor,
+                     advantages: torch.Tensor, mask: torch.Tensor, entropies: torch.Tensor,
+                     per_token_kl: torch.Tensor | None) -> None:
+        """Token-weighted means over all processes, one reduce for all of them (as TRL's ``global_masked_mean``)."""
+        m = mask.to(per_token_logps.dtype)
+        n = m.sum()
+        region = region_metrics(self.objective, per_token_logps, old_per_token_logps, advantages, mask)
+        quad = quadrant_metrics(self.objective, per_token_logps, old_per_token_logps, advantages, mask,
+                                entropies.detach())
+        # name -> (local numerator, local denominator); local means are turned back into sums
+        parts: dict[str, tuple[torch.Tensor, torch.Tensor]] = {"entropy": ((entropies * m).sum(), n)}
+        if per_token_kl is not None:
+            parts["kl"] = ((per_token_kl * m).sum(), n)
+        for name in ("clip/low_frac", "clip/high_frac", "clip/dual_frac", "ppo_kl", "ratio/mean"):
+            parts[name] = (region[name] * n, n)
+        # TRL's names for the same regions, so existing dashboards keep working
+        parts["clip_ratio/low_mean"] = parts["clip/low_frac"]
+        parts["clip_ratio/high_mean"] = parts["clip/high_frac"]
+        parts["clip_ratio/region_mean"] = ((region["clip/low_frac"] + region["clip/high_frac"]) * n, n)
+        for key, value in quad.items():
+            if key.endswith("/frac"):
+                parts[key] = (value * n, n)
+            elif key.endswith("/entropy"):
+                count = quad[key.replace("/entropy", "/frac")] * n
+                parts[key] = (value * count, count)
+        names = list(parts)
+        local = torch.stack([torch.stack([num.float(), den.float()]) for num, den in parts.values()])
+        totals = self.accelerator.reduce(local, reduction="sum")
+        values = (totals[:, 0] / totals[:, 1].clamp(min=1.0)).tolist()
+        for name, value in zip(names, values):
+            self._metrics[mode][name].append(value)

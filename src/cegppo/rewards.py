@@ -1,0 +1,259 @@
+"""Verifiable rewards: math-verify graders (strict = last \\boxed{} only, lenient = paper-style) and a
+robust wrapper (`RewardFn`) that maps any scorer failure (exception, timeout, NaN, wrong type) to an
+incorrect score, counts it, and never lets it propagate into the training loop.
+
+Model output is only ever parsed by math-verify / string operations; it is never evaluated.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+import logging
+import math
+import numbers
+import re
+import signal
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Callable
+
+log = logging.getLogger(__name__)
+
+Scorer = Callable[[str, str], "float | bool"]
+MODES = ("strict", "lenient")
+BUILTIN_SPECS = ("math", "math-strict", "math-lenient")
+
+# Set while RewardFn's own SIGALRM timer is armed: math-verify's internal timeouts also use SIGALRM
+# (signal.alarm) and cancel any outer timer on exit, so inside RewardFn they must be switched off.
+_outer_timer_active = False
+_warned_no_timeout = False
+
+
+def _mv_timeouts_allowed() -> bool:
+    # signal-based timeouts only work in the main thread (math-verify raises ValueError elsewhere).
+    return threading.current_thread() is threading.main_thread() and not _outer_timer_active
+
+
+_BOXED = re.compile(r"\\(?:boxed|fbox)\s*\{")
+
+
+def last_boxed(text: str) -> str | None:
+    """Content of the last complete \\boxed{...} (nested braces handled); None if there is none.
+
+    An unclosed trailing box (a truncated completion) is skipped in favour of the last closed one.
+    """
+    for m in reversed(list(_BOXED.finditer(text))):
+        depth, start = 1, m.end()
+        for i in range(start, len(text)):
+            c = text[i]
+            if c == "{":
+                depth += 1
+            elif c == "}":
+                depth -= 1
+                if depth == 0:
+                    return text[start:i]
+    return None
+
+
+def _parse(text: str) -> list:
+    from math_verify import parse
+
+    if _mv_timeouts_allowed():
+        return parse(text)
+    return parse(text, parsing_timeout=None)
+
+
+def _verify(gold: list, pred: list) -> bool:
+    from math_verify import verify
+
+    if _mv_timeouts_allowed():
+        return bool(verify(gold, pred))
+    return bool(verify(gold, pred, timeout_seconds=None))
+
+
+@functools.lru_cache(maxsize=4096)
+def _gold(ground_truth: str) -> tuple:
+    # The same few golds are graded many times per step (group of n samples); parse them once.
+    return tuple(_parse(f"\\boxed{{{ground_truth}}}"))
+
+
+def math_reward(completion: str, ground_truth: str, *, mode: str = "strict") -> bool:
+    """Is `completion` correct for `ground_truth`?
+
+    strict: only the content of the last \\boxed{...} counts; no box or an empty box is wrong.
+    lenient: math-verify's own extraction on the whole completion (ALGORITHM §5.2: last boxed answer,
+    else last LaTeX/number), plus an exact string match of the gold. The paper's reward.
+    """
+    if mode not in MODES:
+        raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+    gt = ground_truth.strip()
+    if mode == "strict":
+        content = last_boxed(completion)
+        if content is None or not content.strip():
+            return False
+        if content.strip() == gt:
+            return True
+        return _verify(list(_gold(gt)), _parse(f"\\boxed{{{content}}}"))
+    if not completion.strip():
+        return False
+    parsed = _parse(completion)
+    if any(isinstance(p, str) and p.strip() == gt for p in parsed):
+        return True
+    return bool(parsed) and _verify(list(_gold(gt)), parsed)
+
+
+def math_strict(completion: str, ground_truth: str) -> bool:
+    return math_reward(completion, ground_truth, mode="strict")
+
+
+def math_lenient(completion: str, ground_truth: str) -> bool:
+    return math_reward(completion, ground_truth, mode="lenient")
+
+
+# ----------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class RewardResult:
+    scores: list[float]
+    correct: list[bool]
+    failures: int = 0
+    failure_messages: list[str] = field(default_factory=list)
+
+    @property
+    def accuracy(self) -> float:
+        return sum(self.correct) / len(self.correct) if self.correct else 0.0
+
+
+class _ScorerTimeout(BaseException):
+    # BaseException so a scorer's `except Exception:` cannot swallow it.
+    pass
+
+
+class RewardFn:
+    """Wrap `scorer(completion, ground_truth) -> bool | float` into a batch reward that never raises.
+
+    bool results map to correct_score / incorrect_score; a number is used as the score directly and
+    counts as correct when >= correct_score. Exceptions, timeouts (per item, `timeout` seconds, main
+    thread only), NaN/inf, None and other types score incorrect_score and are counted in `failures`.
+    """
+
+    def __init__(self, scorer: Scorer, *, correct_score: float = 1.0, incorrect_score: float = -1.0,
+                 timeout: float | None = 10.0, name: str | None = None, max_messages: int = 5):
+        if not callable(scorer):
+            raise TypeError(f"scorer must be callable, got {type(scorer).__name__}")
+        if not incorrect_score < correct_score:
+            raise ValueError(f"incorrect_score ({incorrect_score}) must be < correct_score ({correct_score})")
+        if timeout is not None and not timeout > 0:
+            raise ValueError(f"timeout must be a positive number of seconds or None, got {timeout!r}")
+        self.scorer = scorer
+        self.correct_score = float(correct_score)
+        self.incorrect_score = float(incorrect_score)
+        self.timeout = timeout
+        self.name = name or getattr(scorer, "__name__", repr(scorer))
+        self.max_messages = max_messages
+
+    def __repr__(self) -> str:
+        return (f"RewardFn({self.name}, correct={self.correct_score}, incorrect={self.incorrect_score}, "
+                f"timeout={self.timeout})")
+
+    def __call__(self, completions: list[str], answers: list[str]) -> RewardResult:
+        if len(completions) != len(answers):
+            raise ValueError(f"{len(completions)} completions but {len(answers)} answers")
+        res = RewardResult(scores=[], correct=[])
+        for i, (c, a) in enumerate(zip(completions, answers)):
+            score, ok, err = self.score_one(c, a)
+            res.scores.append(score)
+            res.correct.append(ok)
+            if err is not None:
+                res.failures += 1
+                if len(res.failure_messages) < self.max_messages:
+                    res.failure_messages.append(f"item {i}: {err}"[:300])
+        return res
+
+    def score_one(self, completion: str, answer: str) -> tuple[float, bool, str | None]:
+        """(score, correct, failure message or None)."""
+        try:
+            value = self._run(completion, answer)
+        except _ScorerTimeout:
+            return self.incorrect_score, False, f"timed out after {self.timeout} s"
+        except Exception as e:  # noqa: BLE001 - a broken reward must not crash training
+            return self.incorrect_score, False, f"{type(e).__name__}: {e}"
+        if isinstance(value, bool) or type(value).__name__ == "bool_":  # incl. numpy.bool_
+            return (self.correct_score, True, None) if value else (self.incorrect_score, False, None)
+        if isinstance(value, numbers.Real) and math.isfinite(float(value)):
+            score = float(value)
+            return score, score >= self.correct_score, None
+        return self.incorrect_score, False, f"scorer returned {value!r:.60} ({type(value).__name__}); " \
+                                            f"expected bool or a finite float"
+
+    def _run(self, completion: str, answer: str) -> object:
+        global _outer_timer_active, _warned_no_timeout
+        if self.timeout is None:
+            return self.scorer(completion, answer)
+        if threading.current_thread() is not threading.main_thread():
+            if not _warned_no_timeout:
+                log.warning("reward %s called off the main thread: per-item timeout disabled", self.name)
+                _warned_no_timeout = True
+            return self.scorer(completion, answer)
+
+        state = {"inside": True}
+
+        def on_alarm(signum: int, frame: object) -> None:
+            if state["inside"]:  # raise only while the scorer runs, never in our cleanup code
+                raise _ScorerTimeout()
+
+        old_handler = signal.signal(signal.SIGALRM, on_alarm)
+        # Interval re-fires the alarm in case the scorer catches the first one with a bare except.
+        old_timer = signal.setitimer(signal.ITIMER_REAL, self.timeout, 0.05)
+        t0 = time.monotonic()
+        _outer_timer_active = True
+        try:
+            try:
+                return self.scorer(completion, answer)
+            finally:
+                state["inside"] = False
+        finally:
+            signal.setitimer(signal.ITIMER_REAL, 0)
+            _outer_timer_active = False
+            signal.signal(signal.SIGALRM, old_handler)
+            if old_timer[0] > 0:  # re-arm an outer timer (e.g. pytest-timeout) we displaced
+                signal.setitimer(signal.ITIMER_REAL, max(old_timer[0] - (time.monotonic() - t0), 1e-3),
+                                 old_timer[1])
+
+
+def _import_scorer(spec: str) -> Scorer:
+    module_name, _, attr = spec.partition(":")
+    if not module_name or not attr:
+        raise ValueError(f"reward {spec!r}: expected 'module:function' or one of {BUILTIN_SPECS}")
+    try:
+        module = importlib.import_module(module_name)
+    except Exception as e:  # noqa: BLE001 - ImportError or an error raised while importing it
+        raise ValueError(f"reward {spec!r}: cannot import module {module_name!r} "
+                         f"({type(e).__name__}: {e})") from e
+    fn = module
+    for part in attr.split("."):
+        if not hasattr(fn, part):
+            raise ValueError(f"reward {spec!r}: module {module_name!r} has no attribute {attr!r}")
+        fn = getattr(fn, part)
+    if not callable(fn):
+        raise ValueError(f"reward {spec!r}: {attr!r} is a {type(fn).__name__}, not callable; expected "
+                         f"fn(completion: str, ground_truth: str) -> float | bool")
+    return fn  # type: ignore[return-value]
+
+
+def load_reward(spec: str, **kwargs: object) -> RewardFn:
+    """Build a RewardFn from "math" (= lenient, the paper's reward), "math-strict", "math-lenient" or a
+    user "module:function". kwargs go to RewardFn (correct_score, incorrect_score, timeout)."""
+    if spec in ("math", "math-lenient"):
+        scorer: Scorer = math_lenient
+    elif spec == "math-strict":
+        scorer = math_strict
+    elif ":" in spec:
+        scorer = _import_scorer(spec)
+    else:
+        raise ValueError(f"unknown reward {spec!r}; expected one of {BUILTIN_SPECS} or 'module:function'")
+    kwargs.setdefault("name", spec)
+    return RewardFn(scorer, **kwargs)  # type: ignore[arg-type]

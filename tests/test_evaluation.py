@@ -1,0 +1,100 @@
+import json
+import math
+from pathlib import Path
+
+import pytest
+import torch
+
+from cegppo.compare import compare_runs
+from cegppo.data import Problem, load_problems
+from cegppo.evaluation import evaluate, majority_correct, pass_at_k
+from cegppo.rewards import load_reward
+from cegppo.rollout import RolloutBatch, Sampling
+from cegppo.trainer import Trainer
+
+SHARED = Path(__file__).resolve().parents[1].parent / "shared" / "data"
+
+
+def test_pass_at_k_hand_computed():
+    assert pass_at_k(4, 0, 1) == 0.0
+    assert pass_at_k(4, 1, 1) == pytest.approx(0.25)
+    assert pass_at_k(4, 1, 2) == pytest.approx(1 - math.comb(3, 2) / math.comb(4, 2))  # 0.5
+    assert pass_at_k(4, 1, 2) == pytest.approx(0.5)
+    assert pass_at_k(5, 2, 3) == pytest.approx(1 - 1 / 10)
+    assert pass_at_k(4, 3, 2) == 1.0
+    with pytest.raises(ValueError):
+        pass_at_k(2, 1, 3)
+
+
+def test_majority_vote():
+    assert majority_correct(["4", "5", "4"], [True, False, True])
+    assert not majority_correct(["5", "4", "5"], [False, True, False])
+    assert majority_correct(["4", "5"], [True, False])  # tie: first seen wins
+    assert not majority_correct([None, None], [False, False])
+    assert majority_correct([None, "7", None], [False, True, False])  # no answer never wins
+
+
+class ScriptedEngine:
+    """Test double for a RolloutEngine: replays fixed responses per prompt text."""
+
+    def __init__(self, responses: dict[str, list[str]]):
+        self.responses = responses
+
+    def generate(self, prompts, n, sampling):
+        texts = [self.responses[p[-1]["content"]][i] for p in prompts for i in range(n)]
+        B = len(texts)
+        return RolloutBatch(torch.zeros(B, 2, dtype=torch.long), torch.ones(B, 2, dtype=torch.long),
+                            torch.ones(B, 1, dtype=torch.long), texts, torch.zeros(B, dtype=torch.bool))
+
+    def sync(self, policy):
+        pass
+
+
+def test_avg_pass_maj_on_scripted_answers():
+    probs = [Problem(id="a", messages=[{"role": "user", "content": "qa"}], answer="4", data_source="s1"),
+             Problem(id="b", messages=[{"role": "user", "content": "qb"}], answer="9", data_source="s1"),
+             Problem(id="c", messages=[{"role": "user", "content": "qc"}], answer="1", data_source="s2")]
+    engine = ScriptedEngine({
+        "qa": ["\\boxed{4}", "\\boxed{5}", "\\boxed{4}", "no box 4"],   # 2/4 correct, maj 4 -> correct
+        "qb": ["\\boxed{9}", "\\boxed{8}", "\\boxed{8}", "\\boxed{7}"],  # 1/4, maj 8 -> wrong
+        "qc": ["\\boxed{2}", "\\boxed{3}", "\\boxed{2}", "\\boxed{5}"],  # 0/4
+    })
+    res = evaluate(engine, probs, load_reward("math-strict"), k=4, sampling=Sampling(0.6, 0.95))
+    s1, s2 = res.summary["s1"], res.summary["s2"]
+    assert s1["avg@k"] == pytest.approx((0.5 + 0.25) / 2)
+    assert s1["pass@k"] == pytest.approx(1.0)
+    assert s1["maj@k"] == pytest.approx(0.5)
+    assert s2["avg@k"] == 0 and s2["pass@k"] == 0 and s2["maj@k"] == 0
+    assert res.headline("avg@k") == pytest.approx((0.375 + 0) / 2)
+    assert [r["num_correct"] for r in res.rows] == [2, 1, 0]
+
+
+@pytest.mark.skipif(not (SHARED / "aime24.jsonl").exists(), reason="../shared/data not present")
+def test_eval_deduplicates_repeated_prompts(tmp_path):
+    # the authors' release repeats each AIME problem 32 times; rebuild that layout from the shared file
+    lines = (SHARED / "aime24.jsonl").read_text().splitlines()
+    repeated = tmp_path / "aime960.jsonl"
+    repeated.write_text("\n".join(line for line in lines for _ in range(32)) + "\n")
+    probs = load_problems(repeated)
+    assert len(probs) == 30 and all(p.copies == 32 for p in probs)
+    engine = ScriptedEngine({p.messages[-1]["content"]: [f"\\boxed{{{p.answer}}}"] * 2 for p in probs})
+    res = evaluate(engine, probs, load_reward("math-strict"), k=2)
+    assert len(res.rows) == 30
+    assert res.headline("avg@k") == 1.0
+
+
+def test_compare_writes_plots_and_table(tiny_config, tmp_path):
+    runs = []
+    for name, obj in (("grpo", "grpo"), ("cegppo", "ce_gppo")):
+        hp = [] if obj == "grpo" else ["algorithm.hparams.beta1=0.5"]
+        cfg = tiny_config(f"algorithm.objective={obj}", "train.steps=2", "train.save_every=0", "eval.every=1",
+                          *(["algorithm.hparams={}"] if obj == "grpo" else hp), out=tmp_path / name)
+        Trainer(cfg).train()
+        runs.append(tmp_path / name)
+    paths = compare_runs(runs, tmp_path / "cmp")
+    names = {p.name for p in paths}
+    assert {"compare.png", "entropy.png", "clip_low_frac.png", "clip_high_frac.png", "val_accuracy.png",
+            "quadrant_PA_LP_dH.png", "summary.md"} <= names
+    table = (tmp_path / "cmp" / "summary.md").read_text()
+    assert "grpo" in table and "ce_gppo (beta1=0.5" in table
+    assert all(p.stat().st_size > 1000 for p in paths if p.suffix == ".png")
