@@ -22,36 +22,12 @@ SMALL = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_att
              max_position_embeddings=256)
 
 
-def _build_tiny_char_model(out) -> None:
-    """ECOSYSTEM Part A 3: char-level tokenizer + tiny Qwen2 (used when cegppo.models is unavailable)."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
-
-    vocab = {t: i for i, t in enumerate(["<pad>", "<|im_start|>", "<|im_end|>"] + list(string.printable))}
-    tk = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<pad>"))
-    tk.pre_tokenizer = pre_tokenizers.Split(pattern="", behavior="isolated")
-    tk.decoder = decoders.Fuse()
-    tok = PreTrainedTokenizerFast(tokenizer_object=tk, pad_token="<pad>", bos_token="<|im_start|>",
-                                  eos_token="<|im_end|>")
-    tok.add_special_tokens({"additional_special_tokens": ["<|im_start|>", "<|im_end|>"]})
-    tok.chat_template = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
-                         "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
-    cfg = Qwen2Config(vocab_size=len(tok), tie_word_embeddings=True, pad_token_id=tok.pad_token_id,
-                      bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, **SMALL)
-    torch.manual_seed(0)
-    Qwen2ForCausalLM(cfg).save_pretrained(out)
-    tok.save_pretrained(out)
-
-
 @pytest.fixture(scope="module")
 def tiny_model(tmp_path_factory) -> str:
-    out = tmp_path_factory.mktemp("tiny_char")
-    try:
-        from cegppo.models import build_tiny_model
+    from cegppo.models import build_tiny_model
 
-        build_tiny_model(out, seed=0, **SMALL)
-    except (ImportError, AttributeError, TypeError, ValueError):
-        _build_tiny_char_model(out)
+    out = tmp_path_factory.mktemp("tiny_char")
+    build_tiny_model(out, seed=0, **SMALL)
     return str(out)
 
 

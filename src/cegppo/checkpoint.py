@@ -18,6 +18,7 @@ from typing import Any
 
 import torch
 
+from cegppo.faults import failpoint
 from cegppo.io import atomic_write_json, fsync_dir
 
 log = logging.getLogger(__name__)
@@ -50,18 +51,20 @@ def save_checkpoint(
     scheduler: Any, state: dict, keep: int = 2,
 ) -> Path:
     """Write ``step_<step>`` atomically; prune to the newest ``keep`` valid checkpoints."""
-    ckpt_root.mkdir(parents=True, exist_ok=True)
     final = ckpt_root / f"step_{step:06d}"
     tmp = ckpt_root / f".tmp-step_{step:06d}-{os.getpid()}"
-    if tmp.exists():
-        shutil.rmtree(tmp)
     try:
+        ckpt_root.mkdir(parents=True, exist_ok=True)
+        for stale in stale_temp_dirs(ckpt_root):  # left by a process killed mid-write; one writer per run
+            log.warning("removing half-written checkpoint directory %s", stale)
+            shutil.rmtree(stale, ignore_errors=True)
         tmp.mkdir()
         model.save_pretrained(tmp, safe_serialization=True)
         tokenizer.save_pretrained(tmp)
         torch.save(optimizer.state_dict(), tmp / "optimizer.pt")
         torch.save(scheduler.state_dict(), tmp / "scheduler.pt")
         (tmp / "trainer_state.json").write_text(json.dumps(state, indent=2, sort_keys=True))
+        failpoint("checkpoint-write", step)
         files = sorted(p for p in tmp.rglob("*") if p.is_file())
         manifest = {
             "step": step,
@@ -73,12 +76,22 @@ def save_checkpoint(
             shutil.rmtree(final)
         os.replace(tmp, final)
         fsync_dir(ckpt_root)
-    except OSError as e:
+        failpoint("checkpoint-renamed", step)
+    except Exception as e:  # OSError (disk full, permissions) or a serializer's own error type
         shutil.rmtree(tmp, ignore_errors=True)
-        raise CheckpointError(f"could not write checkpoint {final}: {e.strerror or e}") from e
+        reason = e.strerror if isinstance(e, OSError) and e.strerror else f"{type(e).__name__}: {e}"
+        reason = " ".join(str(reason).split())[:300]
+        raise CheckpointError(f"could not write checkpoint {final}: {reason} (older checkpoints are kept)") from e
     for old in list_checkpoints(ckpt_root)[:-keep]:
         shutil.rmtree(old, ignore_errors=True)
     return final
+
+
+def stale_temp_dirs(ckpt_root: Path) -> list[Path]:
+    """Temporary directories of interrupted checkpoint writes (never valid checkpoints)."""
+    if not ckpt_root.is_dir():
+        return []
+    return sorted(p for p in ckpt_root.glob(".tmp-step_*") if p.is_dir())
 
 
 def list_checkpoints(ckpt_root: Path) -> list[Path]:
@@ -96,10 +109,14 @@ def verify_checkpoint(path: Path) -> str | None:
     try:
         manifest = json.loads(mpath.read_text())
         files = manifest["files"]
-    except (ValueError, KeyError) as e:
-        return f"unreadable manifest ({e})"
+    except (ValueError, KeyError, TypeError) as e:
+        return f"unreadable manifest ({type(e).__name__}: {e})"
+    if not isinstance(files, dict) or not files:
+        return "manifest lists no files"
     for rel, meta in files.items():
         p = path / rel
+        if Path(rel).is_absolute() or ".." in Path(rel).parts:
+            return f"manifest entry {rel!r} points outside the checkpoint"
         if not p.is_file():
             return f"missing {rel}"
         if p.stat().st_size != meta["bytes"]:
@@ -110,7 +127,9 @@ def verify_checkpoint(path: Path) -> str | None:
 
 
 def latest_valid_checkpoint(ckpt_root: Path) -> Path | None:
-    """The newest intact checkpoint; broken ones are logged and skipped."""
+    """The newest intact checkpoint; broken ones (and half-written temporary directories) are logged and skipped."""
+    for tmp in stale_temp_dirs(ckpt_root):
+        log.warning("skipping half-written checkpoint directory %s (interrupted write)", tmp)
     for path in reversed(list_checkpoints(ckpt_root)):
         problem = verify_checkpoint(path)
         if problem is None:
@@ -119,7 +138,26 @@ def latest_valid_checkpoint(ckpt_root: Path) -> Path | None:
     return None
 
 
+def _load_tensors(path: Path) -> Any:
+    # weights_only=True: the restricted unpickler accepts tensors, containers and numbers, never arbitrary
+    # globals, so a tampered file fails to load instead of running code.
+    try:
+        return torch.load(path, weights_only=True, map_location="cpu")
+    except Exception as e:  # noqa: BLE001 - UnpicklingError, RuntimeError (bad zip), EOFError, ...
+        first = (str(e).strip().splitlines() or [""])[0][:200]
+        raise CheckpointError(f"{path}: refused to load ({type(e).__name__}: {first}); expected plain tensor "
+                              f"state written by cegppo (loaded with weights_only=True)") from None
+
+
 def load_training_state(path: Path, optimizer: torch.optim.Optimizer, scheduler: Any) -> dict:
-    optimizer.load_state_dict(torch.load(path / "optimizer.pt", weights_only=True))
-    scheduler.load_state_dict(torch.load(path / "scheduler.pt", weights_only=True))
-    return json.loads((path / "trainer_state.json").read_text())
+    opt_state, sched_state = _load_tensors(path / "optimizer.pt"), _load_tensors(path / "scheduler.pt")
+    try:
+        optimizer.load_state_dict(opt_state)
+        scheduler.load_state_dict(sched_state)
+        state = json.loads((path / "trainer_state.json").read_text())
+    except (ValueError, KeyError, TypeError, OSError) as e:
+        raise CheckpointError(f"{path}: optimizer/scheduler/trainer state does not fit this run "
+                              f"({type(e).__name__}: {' '.join(str(e).split())[:200]})") from None
+    if not isinstance(state, dict) or not isinstance(state.get("step"), int):
+        raise CheckpointError(f"{path / 'trainer_state.json'}: expected an object with an integer 'step'")
+    return state

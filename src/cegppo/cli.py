@@ -129,7 +129,12 @@ def cmd_eval(args) -> int:
     if args.num_problems:
         problems = problems[: args.num_problems] if len(args.data) == 1 else problems
     engine = HFRollout(model, tok, args.max_prompt_tokens, dtype=getattr(__import__("torch"), args.dtype))
-    reward = load_reward(args.reward)
+    try:
+        reward = load_reward(args.reward)
+    except ValueError as e:
+        from cegppo.config import ConfigError
+
+        raise ConfigError(f"--reward: {e}") from None
     import torch
 
     torch.manual_seed(args.seed)
@@ -213,7 +218,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return args.fn(args)
     except (ConfigError, DatasetError, ModelLoadError, TrainingError, CheckpointError, FileNotFoundError) as e:
-        print(f"cegppo {args.command}: error: {e}", file=sys.stderr)
+        msg = " ".join(str(e).split())  # always one line, whatever the exception's own formatting
+        print(f"cegppo {args.command}: error: {msg}", file=sys.stderr)
         return 2
 
 

@@ -329,7 +329,7 @@ def _load_tokenizer(src: str) -> Any:
         # custom tokenizers such as our char-level one (spaces vanish). Honour the declared class.
         if declared in ("TokenizersBackend", "PreTrainedTokenizerFast") and (Path(src) / "tokenizer.json").is_file():
             return PreTrainedTokenizerFast.from_pretrained(src, local_files_only=True)
-    return AutoTokenizer.from_pretrained(src, local_files_only=True)
+    return AutoTokenizer.from_pretrained(src, local_files_only=True, trust_remote_code=False)
 
 
 def load_model(name_or_path: str, *, dtype: str = "float32", device: str = "cpu") -> tuple[Any, Any]:
@@ -362,7 +362,9 @@ def load_model(name_or_path: str, *, dtype: str = "float32", device: str = "cpu"
     try:
         # local_files_only everywhere: the hub is never contacted, a missing cache entry fails fast.
         tok = _load_tokenizer(src)
-        model = AutoModelForCausalLM.from_pretrained(src, dtype=torch_dtype, local_files_only=True)
+        # trust_remote_code=False: code shipped with a model (config auto_map) is never imported.
+        model = AutoModelForCausalLM.from_pretrained(src, dtype=torch_dtype, local_files_only=True,
+                                                     trust_remote_code=False)
     except (OSError, ValueError) as e:
         if kind.startswith("hub"):
             raise ModelLoadError(

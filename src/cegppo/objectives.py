@@ -87,6 +87,13 @@ def _broadcast_advantages(advantages: Tensor, like: Tensor) -> Tensor:
 Terms = tuple[Tensor, Tensor]
 
 
+def clip_regions(log_prob: Tensor, old_log_prob: Tensor, adv: Tensor, eps_low: float, eps_high: float):
+    """ratio = pi / pi_old (log-ratio clamped before exp), and the two regions PPO clips:
+    ``low`` = A < 0 and r < 1 - eps_low (the beta1 region), ``high`` = A > 0 and r > 1 + eps_high (beta2)."""
+    ratio = (log_prob - old_log_prob).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP).exp()
+    return ratio, (adv < 0) & (ratio < 1.0 - eps_low), (adv > 0) & (ratio > 1.0 + eps_high)
+
+
 def ce_gppo(
     log_prob: Tensor,
     old_log_prob: Tensor,
@@ -114,9 +121,7 @@ def ce_gppo(
     their gradient is kept, bounded, instead of zeroed as in PPO. ``beta1 = beta2 = 0`` gives PPO-clip's
     gradient, ``beta1 = beta2 = 1`` GPPO. Value and weight coincide except under the dual clip.
     """
-    ratio = (log_prob - old_log_prob).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP).exp()
-    low = (adv < 0) & (ratio < 1.0 - eps_low)
-    high = (adv > 0) & (ratio > 1.0 + eps_high)
+    ratio, low, high = clip_regions(log_prob, old_log_prob, adv, eps_low, eps_high)
     weight = torch.where(low, beta1 * (1.0 - eps_low), torch.where(high, beta2 * (1.0 + eps_high), ratio))
     if clip_ratio_c is None:
         return -adv * weight, -adv * weight
@@ -139,9 +144,7 @@ def ppo_clip(
     Symmetric eps = GRPO; eps_high = 0.28 = DAPO clip-higher. Out-of-clip tokens get the clipped (constant)
     value and zero gradient.
     """
-    ratio = (log_prob - old_log_prob).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP).exp()
-    low = (adv < 0) & (ratio < 1.0 - eps_low)
-    high = (adv > 0) & (ratio > 1.0 + eps_high)
+    ratio, low, high = clip_regions(log_prob, old_log_prob, adv, eps_low, eps_high)
     value = torch.where(low, 1.0 - eps_low, torch.where(high, 1.0 + eps_high, ratio))
     grad = torch.where(low | high, 0.0, ratio)
     if clip_ratio_c is not None:

@@ -7,34 +7,30 @@ answers unprompted; the same path serves users who want SFT before RL.
 from __future__ import annotations
 
 import contextlib
-import logging
 
 import torch
 
 from cegppo.data import Problem
+from cegppo.logprobs import sequence_token_stats
+from cegppo.objectives import aggregate
+from cegppo.rollout import encode_prompts
 
-log = logging.getLogger(__name__)
 
 
-def sft_batch(tokenizer, problems: list[Problem], max_tokens: int = 512) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """input_ids, attention_mask and labels (-100 on prompt and padding) for prompt + solution + EOS."""
-    ids, labels = [], []
+def sft_batch(tokenizer, problems: list[Problem], max_prompt_tokens: int = 512, max_response_tokens: int = 512):
+    """The rollout layout (left-padded prompt | right-padded reference solution + EOS): input_ids, attention
+    mask and the response mask, so the loss needs logits for the response positions only."""
     for p in problems:
         if not p.solution:
             raise ValueError(f"problem {p.id} has no reference solution to warm-start on")
-        prompt = tokenizer.apply_chat_template(p.messages, add_generation_prompt=True, tokenize=False)
-        p_ids = tokenizer(prompt, add_special_tokens=False)["input_ids"]
-        r_ids = tokenizer(p.solution, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
-        seq = (p_ids + r_ids)[-max_tokens:]
-        lab = ([-100] * len(p_ids) + r_ids)[-max_tokens:]
-        ids.append(seq)
-        labels.append(lab)
-    width = max(len(x) for x in ids)
+    prompt_ids, prompt_mask = encode_prompts(tokenizer, [p.messages for p in problems], max_prompt_tokens)
+    resp = [(tokenizer(p.solution, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id])[:max_response_tokens]
+            for p in problems]
+    width = max(len(r) for r in resp)
     pad = tokenizer.pad_token_id
-    input_ids = torch.tensor([x + [pad] * (width - len(x)) for x in ids])
-    attention = torch.tensor([[1] * len(x) + [0] * (width - len(x)) for x in ids])
-    label_t = torch.tensor([x + [-100] * (width - len(x)) for x in labels])
-    return input_ids, attention, label_t
+    resp_ids = torch.tensor([r + [pad] * (width - len(r)) for r in resp])
+    resp_mask = torch.tensor([[1] * len(r) + [0] * (width - len(r)) for r in resp])
+    return torch.cat([prompt_ids, resp_ids], 1), torch.cat([prompt_mask, resp_mask], 1), resp_mask
 
 
 def supervised_warmup(
@@ -65,15 +61,16 @@ def supervised_warmup(
         it = tqdm(it, desc="cegppo sft", dynamic_ncols=True)
     for _ in it:
         idx = torch.randint(len(problems), (batch_size,), generator=g).tolist()
-        input_ids, attention, labels = sft_batch(tokenizer, [problems[i] for i in idx])
+        input_ids, attention, resp_mask = sft_batch(tokenizer, [problems[i] for i in idx])
         with ctx():
-            out = model(input_ids=input_ids, attention_mask=attention, labels=labels, use_cache=False)
+            log_prob, _, _ = sequence_token_stats(model, input_ids, attention, resp_mask.shape[1])
+        loss = aggregate(-log_prob, resp_mask, "token-mean")
         opt.zero_grad(set_to_none=True)
-        out.loss.backward()
+        loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
         sched.step()
-        losses.append(out.loss.item())
+        losses.append(loss.item())
         if progress:
             it.set_postfix(loss=f"{losses[-1]:.3f}")
     model.eval()

@@ -21,13 +21,14 @@ from torch import Tensor
 
 from cegppo import checkpoint as ckpt
 from cegppo.advantages import group_advantages, mixed_groups
-from cegppo.config import Config, save_config
+from cegppo.config import Config, ConfigError, save_config
 from cegppo.data import Problem, load_problems
 from cegppo.diagnostics import QUADRANTS, quadrant_metrics
 from cegppo.evaluation import EvalResult, evaluate
+from cegppo.faults import failpoint
 from cegppo.io import append_jsonl, atomic_write_json, read_jsonl
 from cegppo.logprobs import sequence_token_stats
-from cegppo.models import load_model
+from cegppo.models import ModelLoadError, load_model
 from cegppo.objectives import aggregate, get_objective
 from cegppo.rewards import load_reward
 from cegppo.rollout import HFRollout, RolloutBatch, Sampling
@@ -112,14 +113,21 @@ class Trainer:
             torch.use_deterministic_algorithms(True)
         torch.manual_seed(cfg.train.seed)
         self.objective = get_objective(cfg.algorithm.objective, **cfg.algorithm.hparams)
-        self.reward_fn = load_reward(cfg.reward.fn, correct_score=cfg.reward.correct_score,
-                                     incorrect_score=cfg.reward.incorrect_score, timeout=cfg.reward.timeout_s)
+        try:
+            self.reward_fn = load_reward(cfg.reward.fn, correct_score=cfg.reward.correct_score,
+                                         incorrect_score=cfg.reward.incorrect_score, timeout=cfg.reward.timeout_s)
+        except ValueError as e:
+            raise ConfigError(f"reward.fn: {e}") from None
         self.train_problems, self.test_problems = load_splits(cfg)
 
         resume_from = ckpt.latest_valid_checkpoint(self.ckpt_dir) if resume else None
         if resume and resume_from is None:
             log.warning("--resume: no valid checkpoint under %s; starting from scratch", self.ckpt_dir)
-        self.model, self.tokenizer = load_model(str(resume_from) if resume_from else cfg.model.name, dtype="float32")
+        source = str(resume_from) if resume_from else cfg.model.name
+        try:
+            self.model, self.tokenizer = load_model(source, dtype="float32")
+        except ModelLoadError as e:
+            raise ModelLoadError(f"{'checkpoint ' + source if resume_from else 'model.name'}: {e}") from None
         if cfg.model.gradient_checkpointing:
             self.model.gradient_checkpointing_enable()
         self.ref_model = None
@@ -133,7 +141,7 @@ class Trainer:
         if resume_from is not None:
             self.state.update(ckpt.load_training_state(resume_from, self.optimizer, self.scheduler))
             log.info("resumed from %s at step %d", resume_from, self.state["step"])
-        self._truncate_metrics(self.state["step"])
+        self._truncate_logs(self.state["step"], resumed=resume_from is not None)
         rollout_dtype = torch.bfloat16 if cfg.model.rollout_dtype == "bfloat16" else torch.float32
         self.engine = HFRollout(self.model, self.tokenizer, cfg.rollout.max_prompt_tokens, rollout_dtype)
         save_config(cfg, self.run_dir / "config.yaml")
@@ -157,14 +165,22 @@ class Trainer:
         except OSError as e:
             raise TrainingError(f"output directory {path} is not writable: {e.strerror or e}") from None
 
-    def _truncate_metrics(self, step: int) -> None:
-        """Drop metric rows logged after the checkpoint we resume from (or all, on a fresh start)."""
-        rows = [r for r in read_jsonl(self.metrics_path) if r.get("step", 0) <= step]
-        if self.metrics_path.exists() or rows:
-            text = "".join(json.dumps(r, sort_keys=True) + "\n" for r in rows)
-            from cegppo.io import atomic_write_text
+    def _truncate_logs(self, step: int, resumed: bool) -> None:
+        """Drop metric and eval rows logged after the checkpoint we resume from (all of them on a fresh start):
+        a kill between appending a step's row and writing its checkpoint must not leave that step twice."""
+        from cegppo.io import atomic_write_text
 
-            atomic_write_text(self.metrics_path, text)
+        eval_path = self.run_dir / "eval.jsonl"
+        for path, keep in ((self.metrics_path, lambda r: r.get("step", 0) <= step),
+                           # the final evaluation is redone by the resumed run
+                           (eval_path, lambda r: r.get("step", 0) < step or
+                            (r.get("step", 0) == step and r.get("tag") != "final"))):
+            if path.exists():
+                try:
+                    kept = [r for r in read_jsonl(path) if keep(r)] if resumed else []
+                except ValueError as e:
+                    raise TrainingError(f"{e}; repair or remove the file to resume") from None
+                atomic_write_text(path, "".join(json.dumps(r, sort_keys=True) + "\n" for r in kept))
 
     def autocast(self):
         if self.cfg.model.precision == "bf16-autocast":
@@ -200,6 +216,7 @@ class Trainer:
             problems = self.next_prompts(cfg.train.gen_prompts_per_step or cfg.train.prompts_per_step)
             torch.manual_seed(step_seed(cfg.train.seed, step, f"rollout{gen_batch}"))
             rollouts = self.engine.generate([p.messages for p in problems], n, self.sampling())
+            failpoint("generation", step)
             graded = self.reward_fn(rollouts.texts, [p.answer for p in problems for _ in range(n)])
             rewards = torch.tensor(graded.scores, dtype=torch.float32) + self.overlong_penalty(rollouts)
             correct = torch.tensor(graded.correct)
@@ -306,16 +323,21 @@ class Trainer:
                     n_tok = mask[mb].sum().clamp(min=1)
                     n_correct_tok = (mask[mb] * exp.correct[mb, None]).sum().clamp(min=1)
                     self.optimizer.zero_grad(set_to_none=True)
+                    finite_loss = True
                     for micro in mb.split(cfg.train.micro_batch_size):  # exact global token-mean via num_tokens
                         loss, m = self.micro_loss(exp, micro, n_tok, len(mb), n_correct_tok)
+                        finite_loss = finite_loss and bool(torch.isfinite(loss.detach()))
                         loss.backward()
                         acc.add(m, mask[micro].sum())
                     grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), cfg.optim.grad_clip)
-                    if torch.isfinite(grad_norm):
+                    if finite_loss and torch.isfinite(grad_norm):
+                        failpoint("optimizer-step", step)
                         self.optimizer.step()
-                    else:  # skip a step whose gradient is not finite
+                    else:  # NaN/Inf in the logits, loss or gradient: skip this update, keep the weights
                         skipped += 1
                         self.optimizer.zero_grad(set_to_none=True)
+                        log.warning("step %d: non-finite %s; update skipped (train/skipped_updates)", step,
+                                    "loss" if not finite_loss else f"gradient norm ({float(grad_norm)})")
                     acc.add({"grad_norm": grad_norm}, torch.tensor(1.0))
         metrics["lr"] = self.optimizer.param_groups[0]["lr"]
         self.scheduler.step()  # once per training step, as the authors' LambdaLR

@@ -1,0 +1,435 @@
+"""The paper's entropy mechanism, measured where it can be (issue 5; ECOSYSTEM.md Part C explains the design).
+
+    python benchmarks/reproduce_entropy.py                 # CPU scale: part A (K=20 batches) + part B (short runs)
+    python benchmarks/reproduce_entropy.py --part A --batches 5 --quick    # a smoke test
+    python benchmarks/reproduce_entropy.py --part B --scale gpu            # full trajectories, sized for one big GPU
+
+Part A - per-update entropy response. One real-vocabulary policy with real entropy (SmolLM2-135M-Instruct,
+logits / 0.7 for sampling *and* training, free-form "think step by step" answers graded leniently). For each
+of K rollout batches, every objective updates the *same* starting weights on the *same* batch with the same
+mini-batch split (2 epochs x 4 mini-batches of AdamW, lr 1e-5, so that a measurable share of tokens leaves the
+clip interval), then the entropy change is measured on a fixed held-out set of teacher-forced responses. The
+paired difference dH(objective) - dH(GRPO) isolates what the out-of-clip tokens do. Next to it: the first-order
+prediction summed from our per-quadrant dH diagnostics over the update's optimizer steps.
+
+Part B - trajectories: GRPO, DAPO, CE-GPPO (0.5, 1) and (0.75, 1) trained from the same start with the trainer,
+entropy / reward / held-out accuracy per step. On CPU this is a short run and is reported as one.
+
+Writes benchmarks/results/entropy_dynamics.{json,md} and PNG plots, all generated here.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import random
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from cegppo.advantages import group_advantages
+from cegppo.data import Problem
+from cegppo.diagnostics import quadrant_metrics
+from cegppo.io import atomic_write_json, atomic_write_text
+from cegppo.logprobs import sequence_token_stats
+from cegppo.models import load_model
+from cegppo.objectives import get_objective
+from cegppo.rewards import load_reward
+from cegppo.rollout import HFRollout, RolloutBatch, Sampling
+
+RESULTS = Path(__file__).resolve().parent / "results"
+PROMPT = "What is {a} + {b}? Think step by step."
+
+# (label, objective, hparams); GPPO is CE-GPPO with beta1 = beta2 = 1 and is reported from that cell
+OBJECTIVES_A = [("GRPO", "ppo_clip", dict(eps_low=0.2, eps_high=0.2, clip_ratio_c=10.0)),
+                ("DAPO", "ppo_clip", dict(eps_low=0.2, eps_high=0.28, clip_ratio_c=10.0))] + [
+    (f"CE-GPPO({b1},{b2})", "ce_gppo", dict(eps_low=0.2, eps_high=0.2, beta1=b1, beta2=b2, clip_ratio_c=10.0))
+    for b1 in (0.0, 0.5, 1.0) for b2 in (0.5, 1.0)
+]
+
+
+def addition_problems(lo: int, hi: int, seed: int) -> tuple[list[Problem], list[Problem]]:
+    """All a + b with a, b in [lo, hi], split 3:1 into train / held-out by a seeded shuffle (disjoint)."""
+    pairs = [(a, b) for a in range(lo, hi + 1) for b in range(lo, hi + 1)]
+    random.Random(seed).shuffle(pairs)
+    probs = [Problem(id=f"{a}+{b}", messages=[{"role": "user", "content": PROMPT.format(a=a, b=b)}],
+                     answer=str(a + b), data_source="addition") for a, b in pairs]
+    cut = len(probs) * 3 // 4
+    return probs[:cut], probs[cut:]
+
+
+def mean_sem(xs: list[float]) -> tuple[float, float]:
+    if not xs:
+        return float("nan"), float("nan")
+    m = statistics.fmean(xs)
+    return m, (statistics.stdev(xs) / math.sqrt(len(xs)) if len(xs) > 1 else float("nan"))
+
+
+def autocast():
+    return torch.autocast("cpu", dtype=torch.bfloat16)
+
+
+@torch.no_grad()
+def mean_entropy(model, batch: RolloutBatch, temperature: float, micro: int = 16) -> float:
+    """Token-mean entropy (full vocabulary, temperature-scaled) of the policy on teacher-forced responses."""
+    tot, cnt = 0.0, 0.0
+    for rows in torch.arange(len(batch.texts)).split(micro):
+        with autocast():
+            _, ent, _ = sequence_token_stats(model, batch.input_ids[rows], batch.attention_mask[rows],
+                                             batch.response_len, temperature)
+        m = batch.response_mask[rows].float()
+        tot += float((ent * m).sum())
+        cnt += float(m.sum())
+    return tot / cnt
+
+
+def update(model, theta0, objective, batch, old_lp, adv, args) -> dict:
+    """Reset to theta0, run epochs x mini-batches of AdamW with ``objective``; return diagnostics."""
+    model.load_state_dict(theta0)
+    model.train()
+    opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.0)
+    mask = batch.response_mask.float()
+    p_old = old_lp.exp()
+    stats = dict(tokens=0.0, out=0.0, below={0.1: 0.0, 0.3: 0.0, 0.5: 0.0}, dH_pred=0.0)
+    rows = torch.arange(len(adv))
+    for _ in range(args.epochs):
+        for mb in rows.tensor_split(args.mini_batches):
+            with autocast():
+                lp, ent, col = sequence_token_stats(model, batch.input_ids[mb], batch.attention_mask[mb],
+                                                    batch.response_len, args.temperature, collision=True)
+            m = mask[mb]
+            loss, metrics = objective(lp, old_lp[mb], adv[mb], m, agg="token-mean")
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            opt.step()
+            # out-of-clip tokens of this step (either side) and their probability under pi_old
+            r = (lp.detach() - old_lp[mb]).exp()
+            a = adv[mb, None]
+            out = (((a < 0) & (r < 0.8)) | ((a > 0) & (r > 1.2))).float() * m
+            stats["tokens"] += float(m.sum())
+            stats["out"] += float(out.sum())
+            for thr in stats["below"]:
+                stats["below"][thr] += float((out * (p_old[mb] < thr).float()).sum())
+            q = quadrant_metrics(objective, lp.detach(), old_lp[mb], adv[mb], m, ent.detach(), col)
+            stats["dH_pred"] += float(q["dH/predicted"])  # first-order, unit step on the logits, per step
+    model.eval()
+    return stats
+
+
+def part_a(args, model, tok) -> tuple[list[dict], dict]:
+    train, heldout = addition_problems(2, 12, args.seed)
+    reward = load_reward("math-lenient")
+    engine = HFRollout(model, tok, max_prompt_tokens=96, dtype=torch.bfloat16)
+    sampling = Sampling(temperature=args.temperature, top_p=1.0, top_k=0, max_new_tokens=args.max_new_tokens)
+    torch.manual_seed(args.seed)
+    held = engine.generate([p.messages for p in heldout[: args.heldout]], 1, sampling)
+    theta0 = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    h0 = mean_entropy(model, held, args.temperature)
+    print(f"[A] held-out: {args.heldout} teacher-forced responses, entropy {h0:.4f} nats/token at T={args.temperature}")
+    objectives = [(label, get_objective(name, **hp)) for label, name, hp in OBJECTIVES_A]
+    per_batch: dict[str, list[dict]] = {label: [] for label, _ in objectives}
+    rng = random.Random(args.seed + 1)
+    accs = []
+    b = 0
+    attempts = 0
+    while b < args.batches:
+        attempts += 1
+        probs = rng.sample(train, args.prompts)
+        torch.manual_seed(args.seed * 1000 + attempts)
+        batch = engine.generate([p.messages for p in probs], args.n, sampling)
+        graded = reward(batch.texts, [p.answer for p in probs for _ in range(args.n)])
+        adv = group_advantages(torch.tensor(graded.scores), args.n, "grpo")
+        if float(adv.abs().sum()) == 0.0:
+            continue  # no mixed group: every objective's update would be zero
+        accs.append(graded.accuracy)
+        model.load_state_dict(theta0)
+        with torch.no_grad(), autocast():
+            old_lp, ent_b, _ = sequence_token_stats(model, batch.input_ids, batch.attention_mask, batch.response_len,
+                                                    args.temperature)
+        hb0 = float((ent_b * batch.response_mask).sum() / batch.response_mask.sum())
+        t0 = time.perf_counter()
+        for label, obj in objectives:
+            s = update(model, theta0, obj, batch, old_lp.float(), adv, args)
+            per_batch[label].append(dict(
+                dH=mean_entropy(model, held, args.temperature) - h0,
+                dH_batch=mean_entropy(model, batch, args.temperature) - hb0,
+                dH_pred=s["dH_pred"], out_frac=s["out"] / s["tokens"],
+                below={k: v / max(s["out"], 1.0) for k, v in s["below"].items()}, out_tokens=s["out"]))
+        b += 1
+        g = per_batch["GRPO"][-1]
+        print(f"[A] batch {b}/{args.batches}: acc {graded.accuracy:.2f}, GRPO dH {g['dH']:+.5f}, out-of-clip "
+              f"{g['out_frac']:.3f}, {time.perf_counter() - t0:.0f} s for {len(objectives)} updates", flush=True)
+    model.load_state_dict(theta0)
+
+    # least-squares scale from first-order units (unit logit step) to nats, one number for all objectives
+    xs = [r["dH_pred"] for rs in per_batch.values() for r in rs]
+    ys = [r["dH_batch"] for rs in per_batch.values() for r in rs]
+    scale = sum(x * y for x, y in zip(xs, ys)) / max(sum(x * x for x in xs), 1e-30)
+    rows = []
+    grpo = per_batch["GRPO"]
+    for label, name, hp in OBJECTIVES_A:
+        rs = per_batch[label]
+        dh, dh_sem = mean_sem([r["dH"] for r in rs])
+        dhb, dhb_sem = mean_sem([r["dH_batch"] for r in rs])
+        pm, ps = mean_sem([r["dH"] - g["dH"] for r, g in zip(rs, grpo)])
+        pbm, pbs = mean_sem([r["dH_batch"] - g["dH_batch"] for r, g in zip(rs, grpo)])
+        ppm, pps = mean_sem([scale * (r["dH_pred"] - g["dH_pred"]) for r, g in zip(rs, grpo)])
+        out_tokens = sum(r["out_tokens"] for r in rs)
+        labels = [label] + (["GPPO"] if label == "CE-GPPO(1.0,1.0)" else [])
+        for lab in labels:
+            rows.append(dict(
+                objective=lab, loss=name, beta1=hp.get("beta1"), beta2=hp.get("beta2"), eps_low=hp["eps_low"],
+                eps_high=hp["eps_high"], dH_mean=dh, dH_sem=dh_sem, dH_batch_mean=dhb, dH_batch_sem=dhb_sem,
+                dH_predicted=statistics.fmean([scale * r["dH_pred"] for r in rs]),
+                dH_predicted_first_order_units=statistics.fmean([r["dH_pred"] for r in rs]),
+                paired_vs_grpo_mean=pm, paired_vs_grpo_sem=ps,
+                paired_vs_grpo_batch_mean=pbm, paired_vs_grpo_batch_sem=pbs,
+                paired_vs_grpo_predicted_mean=ppm, paired_vs_grpo_predicted_sem=pps,
+                out_of_clip_frac=statistics.fmean([r["out_frac"] for r in rs]),
+                out_of_clip_prob_below={str(t): sum(r["below"][t] * r["out_tokens"] for r in rs) / max(out_tokens, 1)
+                                        for t in (0.1, 0.3, 0.5)},
+                batches=len(rs)))
+    meta = dict(heldout_entropy_start=h0, prediction_scale=scale, batch_accuracy_mean=statistics.fmean(accs),
+                rollout_batches_drawn=attempts, per_batch=per_batch)
+    return rows, meta
+
+
+def part_b(args, out_dir: Path) -> list[dict]:
+    """Short trajectories with the trainer, same environment as part A (or the GPU grid with --scale gpu)."""
+    from cegppo.config import load_config
+    from cegppo.io import read_jsonl
+    from cegppo.trainer import Trainer
+
+    train, heldout = addition_problems(2, 12, args.seed)
+    data_dir = out_dir / "data"
+    data_dir.mkdir(parents=True, exist_ok=True)
+    for name, probs in (("train", train), ("test", heldout)):
+        atomic_write_text(data_dir / f"{name}.jsonl", "".join(
+            json.dumps({"id": p.id, "question": p.messages[0]["content"], "answer": p.answer}) + "\n" for p in probs))
+    if args.scale == "gpu":
+        grid = [("GRPO", "ppo_clip", {}), ("DAPO", "ppo_clip", {"eps_high": 0.28})] + [
+            (f"CE-GPPO({b1},{b2})", "ce_gppo", {"beta1": b1, "beta2": b2}) for b1 in (0.0, 0.5, 0.75, 1.0) for b2 in (0.5, 1.0)]
+        seeds, steps, prompts, mini, eval_n, model = (0, 1, 2), 200, 32, 8, 64, args.model
+    else:
+        grid = [("GRPO", "ppo_clip", {}), ("DAPO", "ppo_clip", {"eps_high": 0.28}),
+                ("CE-GPPO(0.5,1.0)", "ce_gppo", {"beta1": 0.5, "beta2": 1.0}),
+                ("CE-GPPO(0.75,1.0)", "ce_gppo", {"beta1": 0.75, "beta2": 1.0})]
+        seeds, steps, prompts, mini, eval_n, model = (0,), args.traj_steps, args.prompts, args.mini_batches, 32, args.model
+    runs = []
+    for seed in seeds:
+        for label, name, hp in grid:
+            run_dir = out_dir / "runs" / f"{label}-seed{seed}"
+            cfg = load_config(None, [
+                f"output_dir={run_dir}", f"model.name={model}", "model.precision=bf16-autocast",
+                f"data.train_path={data_dir / 'train.jsonl'}", f"data.test_path={data_dir / 'test.jsonl'}",
+                "data.task=null", f"data.num_test={eval_n}", f"rollout.n={args.n}", f"rollout.temperature={args.temperature}",
+                f"rollout.max_new_tokens={args.max_new_tokens}", "rollout.max_prompt_tokens=96", "reward.fn=math-lenient",
+                f"algorithm.objective={name}", "algorithm.hparams=" + json.dumps({"eps_low": 0.2, "eps_high": 0.2,
+                                                                                  "clip_ratio_c": 10.0, **hp}),
+                "algorithm.dynamic_sampling=true", f"optim.lr={args.traj_lr}", "optim.warmup_steps=0",
+                "optim.weight_decay=0.0", f"train.steps={steps}", f"train.prompts_per_step={prompts}",
+                f"train.mini_batches={mini}", "train.micro_batch_size=16", "train.save_every=0", f"train.seed={seed}",
+                f"eval.num_problems={eval_n}", f"eval.every={max(1, steps // 4)}", f"eval.max_new_tokens={args.max_new_tokens}",
+                "logging.progress=false",
+            ])
+            t0 = time.perf_counter()
+            tr = Trainer(cfg)
+            start = tr.log_eval("base", tr.evaluate())["accuracy"]
+            tr.train()
+            final = tr.log_eval("final", tr.evaluate())["accuracy"]
+            rows = read_jsonl(run_dir / "metrics.jsonl")
+            runs.append(dict(objective=label, beta1=hp.get("beta1"), beta2=hp.get("beta2"), seed=seed,
+                             steps=[r["step"] for r in rows], entropy=[r.get("entropy") for r in rows],
+                             reward=[r["reward/mean"] for r in rows], initial_test_accuracy=start,
+                             final_test_accuracy=final, run_dir=str(run_dir.relative_to(RESULTS.parent.parent))
+                             if run_dir.is_relative_to(RESULTS.parent.parent) else str(run_dir),
+                             wall_s=time.perf_counter() - t0))
+            print(f"[B] {label} seed {seed}: entropy {rows[0].get('entropy', float('nan')):.4f} -> "
+                  f"{rows[-1].get('entropy', float('nan')):.4f}, held-out acc {start:.3f} -> {final:.3f}, "
+                  f"{time.perf_counter() - t0:.0f} s", flush=True)
+            del tr
+    return runs
+
+
+def verdicts(per_update: list[dict], runs: list[dict]) -> list[str]:
+    """The report's claims, each tested against the numbers above and stated plainly."""
+    by = {r["objective"]: r for r in per_update}
+    out = []
+
+    def t(m, s):
+        return m / s if s and s > 0 else float("nan")
+
+    if by:
+        # (a) beta2 up raises dH, beta1 up lowers it: paired per batch across the grid
+        pb = by["GRPO"]
+        b2 = [(by[f"CE-GPPO({b1},1.0)"], by[f"CE-GPPO({b1},0.5)"]) for b1 in (0.0, 0.5, 1.0)]
+        b1 = [(by[f"CE-GPPO(1.0,{b2v})"], by[f"CE-GPPO(0.0,{b2v})"]) for b2v in (0.5, 1.0)]
+        d_b2 = [hi["paired_vs_grpo_mean"] - lo["paired_vs_grpo_mean"] for hi, lo in b2]
+        d_b1 = [hi["paired_vs_grpo_mean"] - lo["paired_vs_grpo_mean"] for hi, lo in b1]
+        ok_a = all(x > 0 for x in d_b2) and all(x < 0 for x in d_b1)
+        out.append(f"(a) beta2 0.5 -> 1 changes held-out dH by {', '.join(f'{x:+.2e}' for x in d_b2)} (beta1 = 0, 0.5, 1); "
+                   f"beta1 0 -> 1 changes it by {', '.join(f'{x:+.2e}' for x in d_b1)} (beta2 = 0.5, 1). "
+                   f"Coordination claim (dH rises with beta2, falls with beta1): {'HOLDS' if ok_a else 'DOES NOT HOLD'} here. "
+                   f"GRPO's own dH: {pb['dH_mean']:+.2e} +- {pb['dH_sem']:.1e}.")
+        d = by["DAPO"]
+        out.append(f"(b) DAPO - GRPO held-out dH, paired: {d['paired_vs_grpo_mean']:+.2e} +- {d['paired_vs_grpo_sem']:.1e} "
+                   f"(t = {t(d['paired_vs_grpo_mean'], d['paired_vs_grpo_sem']):.1f}); on the batch's own states "
+                   f"{d['paired_vs_grpo_batch_mean']:+.2e} +- {d['paired_vs_grpo_batch_sem']:.1e}. DAPO > GRPO: "
+                   f"{'HOLDS' if d['paired_vs_grpo_mean'] > 2 * d['paired_vs_grpo_sem'] else 'NOT SHOWN (within 2 SE or reversed)'}.")
+        pairs = [(r["paired_vs_grpo_predicted_mean"], r["paired_vs_grpo_batch_mean"]) for r in per_update if r["objective"] not in ("GRPO", "GPPO")]
+        agree = sum(1 for p, m in pairs if p * m > 0)
+        xs, ys = [p for p, _ in pairs], [m for _, m in pairs]
+        corr = statistics.correlation(xs, ys) if len(xs) > 2 and statistics.pstdev(xs) > 0 and statistics.pstdev(ys) > 0 else float("nan")
+        raw = [(r["dH_predicted"], r["dH_batch_mean"]) for r in per_update]
+        sign_raw = sum(1 for p, m in raw if p * m > 0)
+        out.append(f"(c) first-order prediction vs measured dH on the batch's own states: the paired contrasts vs GRPO agree "
+                   f"in sign for {agree}/{len(pairs)} objectives (Pearson r = {corr:.2f}); absolute dH agrees in sign for "
+                   f"{sign_raw}/{len(raw)} (the prediction is in units of a unit logit step, rescaled by one least-squares "
+                   f"factor for all objectives, so only sign and relative size are tested).")
+    if runs:
+        fin = sorted(runs, key=lambda r: -(r["entropy"][-1] or 0))
+        acc = sorted(runs, key=lambda r: -r["final_test_accuracy"])
+        out.append("(d) trajectories (short CPU runs, one seed: an ordering, not a significant result): final entropy "
+                   + " > ".join(f"{r['objective']} {r['entropy'][-1]:.3f}" for r in fin) + "; final held-out accuracy "
+                   + " > ".join(f"{r['objective']} {r['final_test_accuracy']:.3f}" for r in acc)
+                   + ". The paper's 7B ordering is DAPO > CE-GPPO > GRPO in entropy and CE-GPPO > DAPO > GRPO in accuracy.")
+    return out
+
+
+def plots(per_update: list[dict], runs: list[dict], out: Path) -> list[str]:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    written = []
+    if per_update:
+        rows = [r for r in per_update if r["objective"] != "GPPO"]
+        fig, ax = plt.subplots(1, 2, figsize=(13, 4.2))
+        x = range(len(rows))
+        ax[0].errorbar(x, [r["paired_vs_grpo_mean"] for r in rows], yerr=[r["paired_vs_grpo_sem"] for r in rows],
+                       fmt="o", capsize=3, label="measured, held-out responses")
+        ax[0].errorbar([i + 0.15 for i in x], [r["paired_vs_grpo_batch_mean"] for r in rows],
+                       yerr=[r["paired_vs_grpo_batch_sem"] for r in rows], fmt="s", capsize=3, label="measured, batch states")
+        ax[0].plot([i + 0.3 for i in x], [r["paired_vs_grpo_predicted_mean"] for r in rows], "x", ms=8,
+                   label="first-order prediction (rescaled)")
+        ax[0].axhline(0, color="grey", lw=0.7)
+        ax[0].set_xticks(list(x), [r["objective"] for r in rows], rotation=35, ha="right", fontsize=8)
+        ax[0].set(title="Entropy change of one update, minus GRPO's (paired, mean +- SE)", ylabel="nats / token")
+        ax[0].legend(fontsize=8)
+        ax[1].bar(list(x), [r["out_of_clip_frac"] for r in rows])
+        ax[1].set_xticks(list(x), [r["objective"] for r in rows], rotation=35, ha="right", fontsize=8)
+        ax[1].set(title="Share of tokens outside the clip interval, over the update", ylabel="fraction")
+        fig.tight_layout()
+        fig.savefig(out / "entropy_per_update.png", dpi=110)
+        plt.close(fig)
+        written.append("entropy_per_update.png")
+    if runs:
+        fig, ax = plt.subplots(1, 3, figsize=(15, 4))
+        for r in runs:
+            lab = f"{r['objective']} s{r['seed']}"
+            ax[0].plot(r["steps"], r["entropy"], label=lab)
+            ax[1].plot(r["steps"], r["reward"], label=lab)
+        ax[2].bar(range(len(runs)), [r["final_test_accuracy"] for r in runs])
+        ax[2].set_xticks(range(len(runs)), [f"{r['objective']} s{r['seed']}" for r in runs], rotation=35, ha="right", fontsize=8)
+        ax[0].set(title="Policy entropy (nats/token)", xlabel="RL step")
+        ax[1].set(title="Reward (mean)", xlabel="RL step")
+        ax[2].set(title="Held-out accuracy after training")
+        ax[0].legend(fontsize=8)
+        fig.tight_layout()
+        fig.savefig(out / "entropy_trajectories.png", dpi=110)
+        plt.close(fig)
+        written.append("entropy_trajectories.png")
+    return written
+
+
+def report(args, per_update, meta, runs, claims, figures, wall) -> str:
+    lines = ["# CE-GPPO entropy dynamics, measured at CPU scale", "",
+             f"Generated by `python benchmarks/reproduce_entropy.py {' '.join(sys.argv[1:])}` in {wall / 60:.1f} min "
+             f"(torch {torch.__version__}, {torch.get_num_threads()} threads). Do not edit by hand.", ""]
+    if per_update:
+        lines += ["## A. Per-update entropy response", "",
+                  f"SmolLM2-135M-Instruct, policy = softmax(logits / {args.temperature}); addition a + b (2..12), free-form "
+                  f"answers graded by math-verify (lenient, +1/-1); {args.batches} rollout batches of {args.prompts} prompts x "
+                  f"{args.n} samples (<= {args.max_new_tokens} new tokens; mean batch accuracy {meta['batch_accuracy_mean']:.2f}); "
+                  f"each update = {args.epochs} epochs x {args.mini_batches} mini-batches of AdamW at lr {args.lr}, from the same "
+                  f"weights for every objective. Held-out: {args.heldout} fixed teacher-forced responses, start entropy "
+                  f"{meta['heldout_entropy_start']:.4f} nats/token. dH in nats/token, mean +- SE over batches.", "",
+                  "| objective | dH held-out | paired vs GRPO (held-out) | paired vs GRPO (batch states) | predicted paired | "
+                  "out-of-clip share | of which p_old < 0.1 / 0.3 / 0.5 |", "|---|---|---|---|---|---|---|"]
+        for r in per_update:
+            pb = r["out_of_clip_prob_below"]
+            lines.append(f"| {r['objective']} | {r['dH_mean']:+.2e} +- {r['dH_sem']:.1e} | {r['paired_vs_grpo_mean']:+.2e} +- "
+                         f"{r['paired_vs_grpo_sem']:.1e} | {r['paired_vs_grpo_batch_mean']:+.2e} +- {r['paired_vs_grpo_batch_sem']:.1e} "
+                         f"| {r['paired_vs_grpo_predicted_mean']:+.2e} | {r['out_of_clip_frac']:.3f} | "
+                         f"{pb['0.1']:.2f} / {pb['0.3']:.2f} / {pb['0.5']:.2f} |")
+        lines += ["", f"First-order prediction scale (nats per unit-logit-step unit, least squares over all updates): "
+                      f"{meta['prediction_scale']:.3e}.", ""]
+    if runs:
+        lines += ["## B. Trajectories (short CPU runs)", "", "| run | steps | entropy start -> end | reward start -> end | "
+                  "held-out acc start -> end | wall |", "|---|---|---|---|---|---|"]
+        for r in runs:
+            lines.append(f"| {r['objective']} seed {r['seed']} | {len(r['steps'])} | {r['entropy'][0]:.4f} -> {r['entropy'][-1]:.4f} "
+                         f"| {r['reward'][0]:+.3f} -> {r['reward'][-1]:+.3f} | {r['initial_test_accuracy']:.3f} -> "
+                         f"{r['final_test_accuracy']:.3f} | {r['wall_s']:.0f} s |")
+        lines.append("")
+    lines += ["## Verdicts", ""] + [f"- {c}" for c in claims] + [""]
+    lines += [f"![{f}]({f})" for f in figures] + [""]
+    return "\n".join(lines)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--part", choices=["A", "B", "all"], default="all")
+    ap.add_argument("--scale", choices=["cpu", "gpu"], default="cpu")
+    ap.add_argument("--model", default="smollm2-135m-instruct")
+    ap.add_argument("--batches", type=int, default=20)
+    ap.add_argument("--prompts", type=int, default=4)
+    ap.add_argument("--n", type=int, default=8)
+    ap.add_argument("--max-new-tokens", type=int, default=40)
+    ap.add_argument("--temperature", type=float, default=0.7)
+    ap.add_argument("--lr", type=float, default=1e-5)
+    ap.add_argument("--epochs", type=int, default=2)
+    ap.add_argument("--mini-batches", type=int, default=4)
+    ap.add_argument("--heldout", type=int, default=32)
+    ap.add_argument("--traj-steps", type=int, default=12)
+    ap.add_argument("--traj-lr", type=float, default=1e-5)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--out", type=Path, default=RESULTS)
+    ap.add_argument("--quick", action="store_true", help="tiny sizes, for a smoke test (results are not meaningful)")
+    args = ap.parse_args()
+    if args.quick:
+        args.batches, args.heldout, args.traj_steps, args.max_new_tokens = min(args.batches, 2), 8, 2, 24
+    t0 = time.perf_counter()
+    args.out.mkdir(parents=True, exist_ok=True)
+    per_update, meta, runs = [], {}, []
+    if args.part in ("A", "all"):
+        model, tok = load_model(args.model)
+        model.eval()
+        per_update, meta = part_a(args, model, tok)
+        wall_a = time.perf_counter() - t0
+        meta["wall_s"] = wall_a
+        print(f"[A] done in {wall_a / 60:.1f} min")
+        del model
+    if args.part in ("B", "all"):
+        runs = part_b(args, args.out)
+    claims = verdicts(per_update, runs)
+    figures = plots(per_update, runs, args.out)
+    wall = time.perf_counter() - t0
+    result = {"command": "python benchmarks/reproduce_entropy.py " + " ".join(sys.argv[1:]), "wall_s": wall,
+              "settings": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
+              "per_update": per_update, "per_update_meta": {k: v for k, v in meta.items() if k != "per_batch"},
+              "per_update_batches": meta.get("per_batch", {}), "runs": runs, "verdicts": claims}
+    atomic_write_json(args.out / "entropy_dynamics.json", result)
+    atomic_write_text(args.out / "entropy_dynamics.md", report(args, per_update, meta, runs, claims, figures, wall))
+    print("\n".join(claims))
+    print(f"wrote {args.out / 'entropy_dynamics.json'} and {args.out / 'entropy_dynamics.md'} in {wall / 60:.1f} min")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,267 @@
+"""Bad input, failures mid-run and security properties (catalogue: docs/reliability.md)."""
+
+import errno
+import importlib
+import json
+import logging
+import os
+import re
+from pathlib import Path
+
+import pytest
+import torch
+
+from cegppo import checkpoint as ckpt
+from cegppo.checkpoint import CheckpointError
+from cegppo.cli import main
+from cegppo.io import read_jsonl
+from cegppo.models import ModelLoadError, validate_smollm2_gguf
+from cegppo.rewards import load_reward
+from cegppo.trainer import Trainer, TrainingError
+
+ROOT = Path(__file__).resolve().parents[1]
+SRC = ROOT / "src" / "cegppo"
+SMALL = ("train.prompts_per_step=2", "train.mini_batches=1", "rollout.n=2", "rollout.max_new_tokens=8",
+         "data.num_train=8", "data.num_test=0", "train.save_every=0")
+
+
+def params(model: torch.nn.Module) -> torch.Tensor:
+    return torch.cat([p.detach().flatten().clone() for p in model.parameters()])
+
+
+# ---------------------------------------------------------------------------------------------- catalogue
+
+
+def test_catalogue_matches_tests():
+    text = (ROOT / "docs" / "reliability.md").read_text()
+    rows = [line for line in text.splitlines() if re.match(r"^\|\s*\d+\s*\|", line)]
+    assert len(rows) >= 18, len(rows)
+    numbers = [int(r.split("|")[1]) for r in rows]
+    assert numbers == list(range(1, len(rows) + 1))
+    for row in rows:
+        refs = re.findall(r"`(tests/[\w/]+\.py)::(\w+)`", row.split("|")[4])
+        assert refs, f"no test referenced in: {row}"
+        for path, name in refs:
+            assert (ROOT / path).is_file(), path
+            module = importlib.import_module(Path(path).stem)
+            assert callable(getattr(module, name, None)), f"{path}::{name} does not exist"
+
+
+# ---------------------------------------------------------------------------------------------- CLI
+
+
+MALFORMED = json.dumps({"question": "Q", "answer": "1"}) + "\n{oops\n"
+
+
+def _write(path: Path, text: str) -> Path:
+    path.write_text(text)
+    return path
+
+
+@pytest.mark.parametrize("case, expected", [
+    ("unknown_key", r"unknown config key 'train\.stepz'"),
+    ("bad_yaml", r"bad\.yaml: not valid YAML"),
+    ("missing_config", r"config file .*nope\.yaml does not exist"),
+    ("malformed_data", r"data\.jsonl:2: malformed JSON"),
+    ("model_missing", r"model\.name: model directory '/nonexistent/model' does not exist"),
+    ("bad_reward", r"reward\.fn: reward 'no_such_module_xyz:f': cannot import module"),
+    ("unwritable_output", r"output directory .* is not writable"),
+])
+def test_cli_bad_input_is_one_line(case, expected, tmp_path, capsys):
+    base = ["tiny", f"output_dir={tmp_path / 'run'}", "reward.fn=fixtures.rewards:digit_overlap", "sft.steps=0",
+            "logging.progress=false"]
+    args = {
+        "unknown_key": base + ["train.stepz=3"],
+        "bad_yaml": [str(_write(tmp_path / "bad.yaml", "train: [1, 2\n"))],
+        "missing_config": [str(tmp_path / "nope.yaml")],
+        "malformed_data": base + [f"data.train_path={_write(tmp_path / 'data.jsonl', MALFORMED)}"],
+        "model_missing": base + ["model.name=/nonexistent/model"],
+        "bad_reward": base + ["reward.fn=no_such_module_xyz:f"],
+        "unwritable_output": base + [f"output_dir={_write(tmp_path / 'a_file', 'x')}/run"],
+    }[case]
+    assert main(["train", *args]) == 2
+    err = capsys.readouterr().err
+    lines = [line for line in err.splitlines() if "error:" in line]
+    assert len(lines) == 1 and lines[0].startswith("cegppo train: error: "), err
+    assert re.search(expected, lines[0]), lines[0]
+    assert "Traceback" not in err
+
+
+# ---------------------------------------------------------------------------------------------- checkpoints
+
+
+def test_disk_full_during_checkpoint(tiny_config, monkeypatch):
+    tr = Trainer(tiny_config(*SMALL[:-1], "train.steps=1", "train.save_every=1"))
+    first = tr.save()  # step 0: a valid checkpoint to fall back on
+
+    def full(*a, **k):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(ckpt, "atomic_write_json", full)  # the manifest write: everything else is in tmp
+    with pytest.raises(CheckpointError, match=r"could not write checkpoint .*step_000001: No space left on device"):
+        tr.train()
+    root = tr.ckpt_dir
+    assert ckpt.latest_valid_checkpoint(root) == first and ckpt.list_checkpoints(root) == [first]
+    assert not ckpt.stale_temp_dirs(root) and not list(root.glob(".tmp*"))
+
+
+def test_corrupt_metrics_file_is_reported_on_resume(tiny_config, tmp_path):
+    tr = Trainer(tiny_config(*SMALL[:-1], "train.save_every=1"))
+    tr.save()
+    (tr.run_dir / "metrics.jsonl").write_text('{"step": 1}\n{broken\n{"step": 2}\n')
+    with pytest.raises(TrainingError, match=r"metrics\.jsonl:2: not valid JSON; repair or remove"):
+        Trainer(tiny_config(*SMALL[:-1], "train.save_every=1"), resume=True)
+
+
+def test_torn_last_metrics_line_is_dropped_on_resume(tiny_config, caplog):
+    tr = Trainer(tiny_config(*SMALL[:-1], "train.save_every=1"))
+    tr.save()
+    (tr.run_dir / "metrics.jsonl").write_text('{"step": 1, "x": 1}\n{"step": 0, "x"')  # kill mid-append
+    (tr.run_dir / "eval.jsonl").write_text('{"step": 0, "tag": "base"}\n{"step": 0, "tag": "final"}\n')
+    Trainer(tiny_config(*SMALL[:-1], "train.save_every=1"), resume=True)
+    assert read_jsonl(tr.run_dir / "metrics.jsonl") == []  # resumed at step 0: step 1 is redone
+    assert read_jsonl(tr.run_dir / "eval.jsonl") == [{"step": 0, "tag": "base"}]
+
+
+def test_resume_without_checkpoint_starts_fresh(tiny_config, caplog):
+    with caplog.at_level(logging.WARNING):
+        tr = Trainer(tiny_config(*SMALL), resume=True)
+    assert tr.state["step"] == 0 and "no valid checkpoint" in caplog.text
+
+
+# ---------------------------------------------------------------------------------------------- failures mid-run
+
+
+@pytest.mark.parametrize("fn", ["raises", "nan_reward", "hangs"])
+def test_reward_failures_are_counted_and_the_run_continues(fn, tiny_config, caplog):
+    tr = Trainer(tiny_config(*SMALL, "train.steps=1", f"reward.fn=fixtures.rewards:{fn}", "reward.timeout_s=0.05"))
+    with caplog.at_level(logging.WARNING, logger="cegppo.trainer"):
+        (row,) = tr.train()
+    assert row["reward/failures"] == 4 and row["reward/accuracy"] == 0 and row["reward/mean"] == -1
+    assert "reward failure at step 1" in caplog.text
+    assert read_jsonl(tr.metrics_path)[0]["reward/failures"] == 4
+
+
+def test_nan_loss_skips_the_update_and_recovers(tiny_config, caplog):
+    tr = Trainer(tiny_config(*SMALL, "train.steps=2", "train.max_bad_steps=2"))
+    micro_loss = tr.micro_loss
+
+    def nan_on_step_1(*a, **k):
+        loss, m = micro_loss(*a, **k)
+        return (loss * torch.nan if tr.state["step"] == 0 else loss), m
+
+    tr.micro_loss = nan_on_step_1
+    before, after_step = params(tr.model), {}
+    with caplog.at_level(logging.WARNING, logger="cegppo.trainer"):
+        rows = tr.train(on_step=lambda t, row: after_step.setdefault(row["step"], params(t.model)))
+    assert "step 1: non-finite loss; update skipped" in caplog.text
+    assert [r["train/skipped_updates"] for r in rows] == [1, 0] and tr.state["bad_steps"] == 0
+    assert torch.equal(after_step[1], before) and not torch.equal(after_step[2], before)
+
+
+def test_nan_logits_stop_training_after_max_bad_steps(tiny_config):
+    tr = Trainer(tiny_config(*SMALL, "train.steps=5", "train.max_bad_steps=2"))
+    tr.model.lm_head.register_forward_hook(lambda mod, inp, out: out * torch.nan)  # the policy only, not rollout
+    before = params(tr.model)
+    with pytest.raises(TrainingError, match=r"2 consecutive steps had a non-finite loss or gradient "
+                                            r"\(train\.max_bad_steps=2\); stopping"):
+        tr.train()
+    rows = read_jsonl(tr.metrics_path)
+    assert [r["train/skipped_updates"] for r in rows] == [1, 1]
+    assert torch.equal(params(tr.model), before)
+
+
+# ---------------------------------------------------------------------------------------------- security
+
+
+def test_checkpoints_are_safetensors(tiny_config):
+    tr = Trainer(tiny_config(*SMALL[:-1], "train.save_every=1"))
+    path = tr.save()
+    names = {p.name for p in path.iterdir()}
+    assert "model.safetensors" in names and "pytorch_model.bin" not in names
+    assert not [n for n in names if n.endswith((".bin", ".pkl", ".pickle"))]
+    assert {n for n in names if n.endswith(".pt")} == {"optimizer.pt", "scheduler.pt"}
+
+
+class _Exploit:
+    def __init__(self, marker: Path):
+        self.marker = marker
+
+    def __reduce__(self):
+        return (os.makedirs, (str(self.marker),))
+
+
+def test_malicious_optimizer_state_is_refused(tiny_config, tmp_path):
+    tr = Trainer(tiny_config(*SMALL[:-1], "train.save_every=1"))
+    path = tr.save()
+    marker = tmp_path / "pwned"
+    opt = path / "optimizer.pt"
+    torch.save({"state": {0: _Exploit(marker)}, "param_groups": []}, opt)
+    manifest = json.loads((path / ckpt.MANIFEST).read_text())  # a consistent manifest: only unpickling can catch it
+    manifest["files"]["optimizer.pt"] = {"bytes": opt.stat().st_size, "sha256": ckpt._sha256(opt)}
+    (path / ckpt.MANIFEST).write_text(json.dumps(manifest))
+    assert ckpt.verify_checkpoint(path) is None
+    with pytest.raises(CheckpointError, match=r"optimizer\.pt: refused to load \(UnpicklingError"):
+        Trainer(tiny_config(*SMALL[:-1], "train.save_every=1"), resume=True)
+    assert not marker.exists()
+
+
+def test_torch_load_is_weights_only_everywhere():
+    for f in SRC.rglob("*.py"):
+        text = f.read_text()
+        for call in re.findall(r"torch\.load\([^)]*\)", text):
+            assert "weights_only=True" in call, f"{f}: {call}"
+        assert not re.search(r"\bpickle\.loads?\(|weights_only=False|trust_remote_code=True", text), f
+
+
+def test_no_eval_or_exec_in_src():
+    for f in SRC.rglob("*.py"):
+        for n, line in enumerate(f.read_text().splitlines(), 1):
+            assert not re.search(r"(?<![\w.])(eval|exec|compile)\s*\(", line), f"{f}:{n}: {line.strip()}"
+
+
+def test_reward_code_only_from_the_import_path(tmp_path):
+    evil = tmp_path / "evil_reward.py"
+    evil.write_text(f"open({str(tmp_path / 'ran')!r}, 'w').close()\ndef f(c, g):\n    return True\n")
+    for spec in (f"{evil}:f", "evil_reward:f", f"{tmp_path}/evil_reward:f"):
+        with pytest.raises(ValueError, match="cannot import module"):
+            load_reward(spec)
+    assert not (tmp_path / "ran").exists()
+
+
+def test_model_directory_code_is_never_imported(tmp_path):
+    from cegppo.models import build_tiny_model, load_model
+
+    d = build_tiny_model(tmp_path / "m")
+    (d / "evil_code.py").write_text(f"open({str(tmp_path / 'ran')!r}, 'w').close()\n"
+                                    "from transformers import Qwen2ForCausalLM\n"
+                                    "class Evil(Qwen2ForCausalLM):\n    pass\n")
+    cfg = json.loads((d / "config.json").read_text())
+    cfg["auto_map"] = {"AutoModelForCausalLM": "evil_code.Evil"}
+    (d / "config.json").write_text(json.dumps(cfg))
+    try:
+        model, _ = load_model(str(d))
+        assert type(model).__name__ == "Qwen2ForCausalLM"
+    except ModelLoadError:
+        pass  # refusing is fine too; running the code is not
+    assert not (tmp_path / "ran").exists()
+
+
+def test_fake_gguf_with_wrong_contents_is_rejected(tmp_path):
+    gguf = pytest.importorskip("gguf")
+    import numpy as np
+
+    path = tmp_path / "fake.gguf"
+    w = gguf.GGUFWriter(str(path), "llama")
+    w.add_block_count(2)
+    w.add_tensor("token_embd.weight", np.zeros((4, 8), dtype=np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    with pytest.raises(ModelLoadError, match=r"fake\.gguf: unexpected GGUF contents: llama\.block_count=2 "
+                                             r"\(expected 30\).*1 tensors \(expected 272\)"):
+        validate_smollm2_gguf(path)
+    path.write_bytes(path.read_bytes()[:40])  # truncated
+    with pytest.raises(ModelLoadError, match=r"fake\.gguf: not a readable GGUF file"):
+        validate_smollm2_gguf(path)
