@@ -231,15 +231,17 @@ def parse_overrides(overrides: list[str]) -> dict:
     return tree
 
 
+def _plain(v: Any) -> Any:
+    return {k: _plain(x) for k, x in v.items()} if isinstance(v, dict) else v
+
+
 def _merge(base: dict, extra: dict) -> dict:
     out = dict(base)
     for k, v in extra.items():
-        if isinstance(v, _Replace):
-            out[k] = dict(v)
-        elif isinstance(v, dict) and isinstance(out.get(k), dict):
+        if isinstance(v, dict) and not isinstance(v, _Replace) and isinstance(out.get(k), dict):
             out[k] = _merge(out[k], v)
         else:
-            out[k] = v
+            out[k] = _plain(v)
     return out
 
 

@@ -323,21 +323,21 @@ class Trainer:
                     n_tok = mask[mb].sum().clamp(min=1)
                     n_correct_tok = (mask[mb] * exp.correct[mb, None]).sum().clamp(min=1)
                     self.optimizer.zero_grad(set_to_none=True)
-                    finite_loss = True
+                    finite_loss = torch.tensor(True)
                     for micro in mb.split(cfg.train.micro_batch_size):  # exact global token-mean via num_tokens
                         loss, m = self.micro_loss(exp, micro, n_tok, len(mb), n_correct_tok)
-                        finite_loss = finite_loss and bool(torch.isfinite(loss.detach()))
+                        finite_loss = finite_loss & torch.isfinite(loss.detach())  # checked once per mini-batch
                         loss.backward()
                         acc.add(m, mask[micro].sum())
                     grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), cfg.optim.grad_clip)
-                    if finite_loss and torch.isfinite(grad_norm):
+                    if bool(finite_loss & torch.isfinite(grad_norm)):
                         failpoint("optimizer-step", step)
                         self.optimizer.step()
                     else:  # NaN/Inf in the logits, loss or gradient: skip this update, keep the weights
                         skipped += 1
                         self.optimizer.zero_grad(set_to_none=True)
                         log.warning("step %d: non-finite %s; update skipped (train/skipped_updates)", step,
-                                    "loss" if not finite_loss else f"gradient norm ({float(grad_norm)})")
+                                    "loss" if not bool(finite_loss) else f"gradient norm ({float(grad_norm)})")
                     acc.add({"grad_norm": grad_norm}, torch.tensor(1.0))
         metrics["lr"] = self.optimizer.param_groups[0]["lr"]
         self.scheduler.step()  # once per training step, as the authors' LambdaLR
