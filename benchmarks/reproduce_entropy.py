@@ -249,11 +249,17 @@ def part_b(args, out_dir: Path) -> list[dict]:
                              final_test_accuracy=final, run_dir=str(run_dir.relative_to(RESULTS.parent.parent))
                              if run_dir.is_relative_to(RESULTS.parent.parent) else str(run_dir),
                              wall_s=time.perf_counter() - t0))
-            print(f"[B] {label} seed {seed}: entropy {rows[0].get('entropy', float('nan')):.4f} -> "
-                  f"{rows[-1].get('entropy', float('nan')):.4f}, held-out acc {start:.3f} -> {final:.3f}, "
+            h0, h1 = first_last([r.get("entropy") for r in rows])
+            print(f"[B] {label} seed {seed}: entropy {h0:.4f} -> {h1:.4f}, held-out acc {start:.3f} -> {final:.3f}, "
                   f"{time.perf_counter() - t0:.0f} s", flush=True)
             del tr
     return runs
+
+
+def first_last(values: list) -> tuple[float, float]:
+    """First and last logged values (a step whose groups were all filtered out logs no entropy)."""
+    vals = [v for v in values if v is not None]
+    return (vals[0], vals[-1]) if vals else (float("nan"), float("nan"))
 
 
 def verdicts(per_update: list[dict], runs: list[dict]) -> list[str]:
@@ -292,10 +298,10 @@ def verdicts(per_update: list[dict], runs: list[dict]) -> list[str]:
                    f"{sign_raw}/{len(raw)} (the prediction is in units of a unit logit step, rescaled by one least-squares "
                    f"factor for all objectives, so only sign and relative size are tested).")
     if runs:
-        fin = sorted(runs, key=lambda r: -(r["entropy"][-1] or 0))
+        fin = sorted(runs, key=lambda r: -first_last(r["entropy"])[1])
         acc = sorted(runs, key=lambda r: -r["final_test_accuracy"])
         out.append("(d) trajectories (short CPU runs, one seed: an ordering, not a significant result): final entropy "
-                   + " > ".join(f"{r['objective']} {r['entropy'][-1]:.3f}" for r in fin) + "; final held-out accuracy "
+                   + " > ".join(f"{r['objective']} {first_last(r['entropy'])[1]:.3f}" for r in fin) + "; final held-out accuracy "
                    + " > ".join(f"{r['objective']} {r['final_test_accuracy']:.3f}" for r in acc)
                    + ". The paper's 7B ordering is DAPO > CE-GPPO > GRPO in entropy and CE-GPPO > DAPO > GRPO in accuracy.")
     return out
@@ -374,7 +380,8 @@ def report(args, per_update, meta, runs, claims, figures, wall) -> str:
         lines += ["## B. Trajectories (short CPU runs)", "", "| run | steps | entropy start -> end | reward start -> end | "
                   "held-out acc start -> end | wall |", "|---|---|---|---|---|---|"]
         for r in runs:
-            lines.append(f"| {r['objective']} seed {r['seed']} | {len(r['steps'])} | {r['entropy'][0]:.4f} -> {r['entropy'][-1]:.4f} "
+            h0, h1 = first_last(r["entropy"])
+            lines.append(f"| {r['objective']} seed {r['seed']} | {len(r['steps'])} | {h0:.4f} -> {h1:.4f} "
                          f"| {r['reward'][0]:+.3f} -> {r['reward'][-1]:+.3f} | {r['initial_test_accuracy']:.3f} -> "
                          f"{r['final_test_accuracy']:.3f} | {r['wall_s']:.0f} s |")
         lines.append("")
@@ -414,7 +421,8 @@ def main() -> None:
         per_update, meta = part_a(args, model, tok)
         wall_a = time.perf_counter() - t0
         meta["wall_s"] = wall_a
-        print(f"[A] done in {wall_a / 60:.1f} min")
+        print(f"[A] done in {wall_a / 60:.1f} min", flush=True)
+        atomic_write_json(args.out / "entropy_dynamics.partA.json", {"per_update": per_update, "meta": meta})
         del model
     if args.part in ("B", "all"):
         runs = part_b(args, args.out)
@@ -426,6 +434,7 @@ def main() -> None:
               "per_update": per_update, "per_update_meta": {k: v for k, v in meta.items() if k != "per_batch"},
               "per_update_batches": meta.get("per_batch", {}), "runs": runs, "verdicts": claims}
     atomic_write_json(args.out / "entropy_dynamics.json", result)
+    (args.out / "entropy_dynamics.partA.json").unlink(missing_ok=True)
     atomic_write_text(args.out / "entropy_dynamics.md", report(args, per_update, meta, runs, claims, figures, wall))
     print("\n".join(claims))
     print(f"wrote {args.out / 'entropy_dynamics.json'} and {args.out / 'entropy_dynamics.md'} in {wall / 60:.1f} min")
