@@ -7,7 +7,7 @@
 Part A - per-update entropy response. One real-vocabulary policy with real entropy (SmolLM2-135M-Instruct,
 logits / 0.7 for sampling *and* training, free-form "think step by step" answers graded leniently). For each
 of K rollout batches, every objective updates the *same* starting weights on the *same* batch with the same
-mini-batch split (2 epochs x 4 mini-batches of AdamW, lr 1e-5, so that a measurable share of tokens leaves the
+mini-batch split (4 mini-batches of AdamW, lr 1.5e-5, so that a measurable share of tokens leaves the
 clip interval), then the entropy change is measured on a fixed held-out set of teacher-forced responses. The
 paired difference dH(objective) - dH(GRPO) isolates what the out-of-clip tokens do. Next to it: the first-order
 prediction summed from our per-quadrant dH diagnostics over the update's optimizer steps.
@@ -400,11 +400,11 @@ def main() -> None:
     ap.add_argument("--n", type=int, default=8)
     ap.add_argument("--max-new-tokens", type=int, default=40)
     ap.add_argument("--temperature", type=float, default=0.7)
-    ap.add_argument("--lr", type=float, default=1e-5)
-    ap.add_argument("--epochs", type=int, default=2)
+    ap.add_argument("--lr", type=float, default=1.5e-5)
+    ap.add_argument("--epochs", type=int, default=1)
     ap.add_argument("--mini-batches", type=int, default=4)
     ap.add_argument("--heldout", type=int, default=32)
-    ap.add_argument("--traj-steps", type=int, default=12)
+    ap.add_argument("--traj-steps", type=int, default=10)
     ap.add_argument("--traj-lr", type=float, default=1e-5)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", type=Path, default=RESULTS)
