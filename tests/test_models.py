@@ -1,6 +1,5 @@
 import json
 import os
-import time
 from pathlib import Path
 
 import pytest
@@ -130,11 +129,9 @@ def test_missing_pad_token_uses_eos(tmp_path):
 
 def test_hub_name_offline(monkeypatch):
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    t0 = time.monotonic()
     with pytest.raises(ModelLoadError, match=r"'nonexistent-org/nonexistent-model' is not in the local Hugging "
                                              r"Face cache.*local directory.*smollm2-135m-instruct"):
         load_model("nonexistent-org/nonexistent-model")
-    assert time.monotonic() - t0 < 10
 
 
 def test_smollm2_not_installed(monkeypatch):
@@ -151,7 +148,7 @@ def test_bad_gguf_rejected(tmp_path):
 
 
 @pytest.mark.slow
-def test_smollm2_preset(cache):
+def test_smollm2_preset(cache, monkeypatch):
     try:
         gguf = models.smollm2_gguf_path()
     except ModelLoadError as e:
@@ -160,10 +157,13 @@ def test_smollm2_preset(cache):
     d = preset_path("smollm2-135m-instruct")  # converts on first use (~30 s)
     manifest = json.loads((d / models.MANIFEST).read_text())
     assert manifest["source_size"] == gguf.stat().st_size and manifest["conversion_version"] == 1
-    t0 = time.monotonic()
+    # a cached load reads the converted safetensors directory and never converts again (speed is measured
+    # in benchmarks/, not asserted here: timings on shared CI machines are noise)
+    def no_reconversion(*a, **k):
+        raise AssertionError("the cached SmolLM2 conversion was redone")
+
+    monkeypatch.setattr(models, "convert_smollm2", no_reconversion)
     model, tok = load_model("smollm2-135m-instruct", dtype="bfloat16")
-    load_s = time.monotonic() - t0
-    assert load_s < 5, f"cached load took {load_s:.2f} s"
     assert model.config.model_type == "llama" and model.config.vocab_size == len(tok) == 49152
     assert 134e6 < sum(p.numel() for p in model.parameters()) < 135e6
     assert tok.padding_side == "left" and "<|im_start|>" in tok.chat_template

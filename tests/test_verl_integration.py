@@ -53,7 +53,7 @@ def _spawn(env_updates: dict[str, str | None], code: str = _PROBE) -> subprocess
 
 
 def _result(proc: subprocess.Popen) -> tuple[str, str]:
-    out, err = proc.communicate(timeout=120)
+    out, err = proc.communicate(timeout=900)  # `import verl` is slow on a busy 2-core machine
     assert proc.returncode == 0, f"subprocess failed:\n{out}\n{err}"
     line = [ln for ln in out.splitlines() if ln.startswith("RESULT")][-1]
     return line, err
