@@ -121,13 +121,12 @@ def cmd_eval(args) -> int:
 
     model, tok = load_model(args.model)
     problems = []
-    for spec in args.data:
+    for spec in args.data:  # each dataset de-duplicated on load, then limited to --num-problems
         if Path(spec).exists() or spec.endswith((".jsonl", ".json", ".parquet")):
-            problems += load_problems(spec)
+            loaded = load_problems(spec)
         else:
-            problems += make_task(spec, "test", args.num_problems or 64, seed=args.seed, difficulty=args.difficulty)
-    if args.num_problems:
-        problems = problems[: args.num_problems] if len(args.data) == 1 else problems
+            loaded = make_task(spec, "test", args.num_problems or 64, seed=args.seed, difficulty=args.difficulty)
+        problems += loaded[: args.num_problems] if args.num_problems else loaded
     engine = HFRollout(model, tok, args.max_prompt_tokens, dtype=getattr(__import__("torch"), args.dtype))
     try:
         reward = load_reward(args.reward)

@@ -46,6 +46,10 @@ def plot_run(run_dir: str | Path, out: str | Path | None = None) -> Path:
     periodic = [e for e in evals if e.get("tag") in ("periodic", "final", "warm-start", "base")]
     if periodic:
         axes[1].plot([e["step"] for e in periodic], [e["accuracy"] for e in periodic], "o--", label="held-out accuracy")
+        for e in periodic:
+            if e["tag"] != "periodic":
+                axes[1].annotate(f"{e['tag']} {e['accuracy']:.2f}", (e["step"], e["accuracy"]), fontsize=7,
+                                 xytext=(4, -10 if e["tag"] == "base" else 4), textcoords="offset points")
     axes[1].set(title="Reward and accuracy", xlabel="RL step")
     axes[1].legend(fontsize=8)
     axes[2].plot(*_series(rows, "clip/low_frac"), label="beta1 region (A<0, r<1-eps)")
