@@ -112,3 +112,26 @@ def test_cli_reports_config_error_in_one_line(capsys):
 def test_bundled_configs_validate():
     for name in ("quickstart", "tiny", "paper_1p5b", "paper_7b"):
         load_config(example_config(name))
+
+
+def test_tensorboard_logging_when_installed(tiny_config):
+    pytest.importorskip("tensorboard")
+    tr = Trainer(tiny_config("train.steps=1", "train.save_every=0", "logging.tensorboard=true"))
+    tr.train()
+    assert list((tr.run_dir / "tensorboard").glob("events.out.tfevents.*"))
+
+
+def test_dynamic_sampling_concatenates_generation_rounds(tiny_config):
+    """Several generation rounds with different prompt / response widths merge into one aligned batch."""
+    tr = Trainer(tiny_config("algorithm.dynamic_sampling=true", "algorithm.max_num_gen_batches=4",
+                             "train.prompts_per_step=8", "train.save_every=0", "rollout.n=2"))
+    exp, stats = tr.collect(step=1)
+    assert exp is not None and stats["train/num_gen_batches"] > 1
+    rb = exp.rollouts
+    assert rb.input_ids.shape == rb.attention_mask.shape
+    assert rb.response_mask.shape[1] == rb.response_len and rb.input_ids.shape[0] == len(rb.texts) == len(exp.rewards)
+    # every kept response decodes back to the text that was graded
+    resp = rb.input_ids[:, -rb.response_len:]
+    texts = tr.tokenizer.batch_decode(torch.where(rb.response_mask.bool(), resp, tr.tokenizer.pad_token_id),
+                                      skip_special_tokens=True)
+    assert texts == rb.texts

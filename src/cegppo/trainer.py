@@ -250,7 +250,6 @@ class Trainer:
     def _concat(self, parts: list[Experience]) -> Experience:
         if len(parts) == 1:
             return parts[0]
-        width = max(p.rollouts.input_ids.shape[1] for p in parts)
         T = max(p.rollouts.response_len for p in parts)
         pad = self.tokenizer.pad_token_id
 
@@ -268,7 +267,6 @@ class Trainer:
             rmask.append(torch.nn.functional.pad(r.response_mask, (0, rw), value=0))
             texts += r.texts
             trunc.append(r.truncated)
-        del width
         rb = RolloutBatch(torch.cat(ids), torch.cat(att), torch.cat(rmask), texts, torch.cat(trunc))
         return Experience(rb, torch.cat([p.rewards for p in parts]), torch.cat([p.correct for p in parts]),
                           torch.cat([p.advantages for p in parts]))
@@ -351,9 +349,8 @@ class Trainer:
 
     def micro_loss(self, exp: Experience, rows: Tensor, n_tok: Tensor, n_seq: int, n_correct_tok: Tensor):
         """Objective (+ optional NLL on correct rollouts, KL, entropy bonus) of one micro-batch, and its metrics."""
-        a, cfg = self.cfg.algorithm, self.cfg
-        want_dh = True
-        lp, ent, col = self.token_stats(self.model, exp.rollouts, rows, collision=want_dh)
+        a = self.cfg.algorithm
+        lp, ent, col = self.token_stats(self.model, exp.rollouts, rows, collision=True)  # col: for quadrant dH
         mask = exp.rollouts.response_mask[rows].float()
         old, adv = exp.old_log_prob[rows], exp.advantages[rows]
         loss, m = self.objective(lp, old, adv, mask, agg=a.agg, num_tokens=n_tok, num_seqs=n_seq)
@@ -373,7 +370,6 @@ class Trainer:
         if a.entropy_coeff > 0:
             loss = loss - a.entropy_coeff * aggregate(ent, mask, a.agg, num_tokens=n_tok, num_seqs=n_seq)
         m["entropy/current"] = (ent.detach() * mask).sum() / mask.sum().clamp(min=1)
-        del cfg
         return loss, m
 
     # ---------------------------------------------------------------------------------------------------
@@ -403,7 +399,7 @@ class Trainer:
             from tqdm.auto import tqdm
 
             bar = tqdm(total=cfg.train.steps, initial=self.state["step"], desc="cegppo train", dynamic_ncols=True)
-        writer = self._tensorboard()
+        writer, wandb_run = self._tensorboard(), self._wandb()
         while self.state["step"] < cfg.train.steps:
             row = self.step()
             step = row["step"]
@@ -415,6 +411,8 @@ class Trainer:
                 for k, v in row.items():
                     if isinstance(v, (int, float)):
                         writer.add_scalar(k, v, step)
+            if wandb_run is not None:
+                wandb_run.log({k: v for k, v in row.items() if isinstance(v, (int, float))}, step=step)
             if bar is not None:
                 bar.update(1)
                 bar.set_postfix(reward=f"{row['reward/mean']:.2f}", acc=f"{row['reward/accuracy']:.2f}",
@@ -434,6 +432,17 @@ class Trainer:
                                      ckpt.list_checkpoints(self.ckpt_dir)[-1].name != f"step_{self.state['step']:06d}"):
             self.save()
         return rows
+
+    def _wandb(self):
+        if not self.cfg.logging.wandb:
+            return None
+        try:
+            import wandb
+        except ImportError:
+            log.warning("logging.wandb is set but wandb is not installed (pip install wandb)")
+            return None
+        return wandb.init(project="cegppo", name=self.run_dir.name, dir=str(self.run_dir), config=self.cfg.to_dict(),
+                          resume="allow")
 
     def _tensorboard(self):
         if not self.cfg.logging.tensorboard:
