@@ -262,7 +262,7 @@ def first_last(values: list) -> tuple[float, float]:
     return (vals[0], vals[-1]) if vals else (float("nan"), float("nan"))
 
 
-def verdicts(per_update: list[dict], runs: list[dict]) -> list[str]:
+def verdicts(per_update: list[dict], runs: list[dict], per_batch: dict | None = None) -> list[str]:
     """The report's claims, each tested against the numbers above and stated plainly."""
     by = {r["objective"]: r for r in per_update}
     out = []
@@ -271,17 +271,30 @@ def verdicts(per_update: list[dict], runs: list[dict]) -> list[str]:
         return m / s if s and s > 0 else float("nan")
 
     if by:
-        # (a) beta2 up raises dH, beta1 up lowers it: paired per batch across the grid
+        # (a) beta2 up raises dH, beta1 up lowers it: contrasts between grid cells, paired per batch (GRPO cancels)
         pb = by["GRPO"]
-        b2 = [(by[f"CE-GPPO({b1},1.0)"], by[f"CE-GPPO({b1},0.5)"]) for b1 in (0.0, 0.5, 1.0)]
-        b1 = [(by[f"CE-GPPO(1.0,{b2v})"], by[f"CE-GPPO(0.0,{b2v})"]) for b2v in (0.5, 1.0)]
-        d_b2 = [hi["paired_vs_grpo_mean"] - lo["paired_vs_grpo_mean"] for hi, lo in b2]
-        d_b1 = [hi["paired_vs_grpo_mean"] - lo["paired_vs_grpo_mean"] for hi, lo in b1]
-        ok_a = all(x > 0 for x in d_b2) and all(x < 0 for x in d_b1)
-        out.append(f"(a) beta2 0.5 -> 1 changes held-out dH by {', '.join(f'{x:+.2e}' for x in d_b2)} (beta1 = 0, 0.5, 1); "
-                   f"beta1 0 -> 1 changes it by {', '.join(f'{x:+.2e}' for x in d_b1)} (beta2 = 0.5, 1). "
-                   f"Coordination claim (dH rises with beta2, falls with beta1): {'HOLDS' if ok_a else 'DOES NOT HOLD'} here. "
-                   f"GRPO's own dH: {pb['dH_mean']:+.2e} +- {pb['dH_sem']:.1e}.")
+
+        def contrast(hi: str, lo: str, key: str = "dH") -> tuple[float, float]:
+            if per_batch:
+                return mean_sem([a[key] - b[key] for a, b in zip(per_batch[hi], per_batch[lo])])
+            k = "paired_vs_grpo_mean" if key == "dH" else "paired_vs_grpo_batch_mean"
+            return by[hi][k] - by[lo][k], float("nan")
+
+        def verdict(ms: list[tuple[float, float]], sign: int) -> str:
+            sig = sum(1 for m, se in ms if sign * m > 2 * se)
+            rev = sum(1 for m, se in ms if -sign * m > 2 * se)
+            return f"{sig}/{len(ms)} contrasts in the claimed direction beyond 2 SE, {rev} reversed beyond 2 SE"
+
+        fmt = lambda ms: ", ".join(f"{m:+.2e} +- {se:.1e}" for m, se in ms)  # noqa: E731
+        for key, where in (("dH", "held-out responses"), ("dH_batch", "the batch's own states")):
+            d_b2 = [contrast(f"CE-GPPO({b1},1.0)", f"CE-GPPO({b1},0.5)", key) for b1 in (0.0, 0.5, 1.0)]
+            d_b1 = [contrast(f"CE-GPPO(1.0,{b2})", f"CE-GPPO(0.0,{b2})", key) for b2 in (0.5, 1.0)]
+            holds = all(m > 2 * se for m, se in d_b2) and all(-m > 2 * se for m, se in d_b1)
+            out.append(f"(a) on {where}: beta2 0.5 -> 1 changes dH by {fmt(d_b2)} (beta1 = 0, 0.5, 1): "
+                       f"{verdict(d_b2, +1)}; beta1 0 -> 1 changes it by {fmt(d_b1)} (beta2 = 0.5, 1): {verdict(d_b1, -1)}. "
+                       f"Coordination claim (dH rises with beta2 and falls with beta1): "
+                       f"{'HOLDS' if holds else 'NOT ESTABLISHED'} here.")
+        out.append(f"    GRPO's own held-out dH per update: {pb['dH_mean']:+.2e} +- {pb['dH_sem']:.1e}.")
         d = by["DAPO"]
         out.append(f"(b) DAPO - GRPO held-out dH, paired: {d['paired_vs_grpo_mean']:+.2e} +- {d['paired_vs_grpo_sem']:.1e} "
                    f"(t = {t(d['paired_vs_grpo_mean'], d['paired_vs_grpo_sem']):.1f}); on the batch's own states "
@@ -375,7 +388,8 @@ def report(args, per_update, meta, runs, claims, figures, wall) -> str:
                          f"| {r['paired_vs_grpo_predicted_mean']:+.2e} | {r['out_of_clip_frac']:.3f} | "
                          f"{pb['0.1']:.2f} / {pb['0.3']:.2f} / {pb['0.5']:.2f} |")
         lines += ["", f"First-order prediction scale (nats per unit-logit-step unit, least squares over all updates): "
-                      f"{meta['prediction_scale']:.3e}.", ""]
+                      f"{meta['prediction_scale']:.3e}. Part A wall time: {meta.get('wall_s', float('nan')) / 60:.1f} min "
+                      f"({meta.get('rollout_batches_drawn', '?')} rollout batches drawn, those without a mixed group skipped).", ""]
     if runs:
         lines += ["## B. Trajectories (short CPU runs)", "", "| run | steps | entropy start -> end | reward start -> end | "
                   "held-out acc start -> end | wall |", "|---|---|---|---|---|---|"]
@@ -409,7 +423,10 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", type=Path, default=RESULTS)
     ap.add_argument("--quick", action="store_true", help="tiny sizes, for a smoke test (results are not meaningful)")
+    ap.add_argument("--from-json", type=Path, help="regenerate verdicts, plots and the report from a saved result")
     args = ap.parse_args()
+    if args.from_json:
+        return regenerate(args.from_json, args.out)
     if args.quick:
         args.batches, args.heldout, args.traj_steps, args.max_new_tokens = min(args.batches, 2), 8, 2, 24
     t0 = time.perf_counter()
@@ -426,7 +443,7 @@ def main() -> None:
         del model
     if args.part in ("B", "all"):
         runs = part_b(args, args.out)
-    claims = verdicts(per_update, runs)
+    claims = verdicts(per_update, runs, meta.get("per_batch"))
     figures = plots(per_update, runs, args.out)
     wall = time.perf_counter() - t0
     result = {"command": "python benchmarks/reproduce_entropy.py " + " ".join(sys.argv[1:]), "wall_s": wall,
@@ -438,6 +455,21 @@ def main() -> None:
     atomic_write_text(args.out / "entropy_dynamics.md", report(args, per_update, meta, runs, claims, figures, wall))
     print("\n".join(claims))
     print(f"wrote {args.out / 'entropy_dynamics.json'} and {args.out / 'entropy_dynamics.md'} in {wall / 60:.1f} min")
+
+
+def regenerate(path: Path, out: Path) -> None:
+    """Verdicts, plots and the markdown report from a saved ``entropy_dynamics.json`` (no new measurement)."""
+    result = json.loads(path.read_text())
+    args = argparse.Namespace(**result["settings"])
+    per_update, runs = result["per_update"], result["runs"]
+    meta = {**result.get("per_update_meta", {}), "per_batch": result.get("per_update_batches", {})}
+    claims = verdicts(per_update, runs, meta["per_batch"])
+    figures = plots(per_update, runs, out)
+    result["verdicts"] = claims
+    atomic_write_json(out / "entropy_dynamics.json", result)
+    sys.argv = result["command"].split()[1:]  # the report names the measuring command, not this one
+    atomic_write_text(out / "entropy_dynamics.md", report(args, per_update, meta, runs, claims, figures, result["wall_s"]))
+    print("\n".join(claims))
 
 
 if __name__ == "__main__":
