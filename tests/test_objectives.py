@@ -56,7 +56,7 @@ def random_batch(B=16, T=24, spread=0.6, seed=0):
 def grads(fn, lp, *args, **kw):
     x = lp.clone().requires_grad_(True)
     val = fn(x, *args, **kw)
-    (val * args[-1] if False else val).sum().backward()
+    val.sum().backward()
     return val.detach(), x.grad
 
 

@@ -65,14 +65,14 @@ def run_training(cfg, resume: bool = False) -> dict:
         log.info("held-out accuracy after RL: %.3f", evals["final"])
     from cegppo.io import read_jsonl
 
-    all_rows = read_jsonl(trainer.metrics_path)
+    entropies = [r["entropy"] for r in read_jsonl(trainer.metrics_path) if "entropy" in r]  # steps with an update
     summary = {
         "steps": trainer.state["step"],
         "wall_time_s": time.perf_counter() - t0,
         "peak_rss_mb": peak_rss_mb(),
         "heldout_accuracy": evals,
-        "entropy_first": all_rows[0].get("entropy") if all_rows else None,
-        "entropy_last": all_rows[-1].get("entropy") if all_rows else None,
+        "entropy_first": entropies[0] if entropies else None,
+        "entropy_last": entropies[-1] if entropies else None,
         "steps_this_session": len(rows),
     }
     write_summary(trainer.run_dir, summary)
@@ -127,15 +127,15 @@ def cmd_eval(args) -> int:
         else:
             loaded = make_task(spec, "test", args.num_problems or 64, seed=args.seed, difficulty=args.difficulty)
         problems += loaded[: args.num_problems] if args.num_problems else loaded
-    engine = HFRollout(model, tok, args.max_prompt_tokens, dtype=getattr(__import__("torch"), args.dtype))
+    import torch
+
+    engine = HFRollout(model, tok, args.max_prompt_tokens, dtype=getattr(torch, args.dtype))
     try:
         reward = load_reward(args.reward)
     except ValueError as e:
         from cegppo.config import ConfigError
 
         raise ConfigError(f"--reward: {e}") from None
-    import torch
-
     torch.manual_seed(args.seed)
     result = evaluate(engine, problems, reward, args.k, Sampling(args.temperature, args.top_p, 0, args.max_new_tokens),
                       batch_prompts=args.batch_prompts)

@@ -5,11 +5,11 @@ from __future__ import annotations
 from pathlib import Path
 
 from cegppo.io import atomic_write_text, read_jsonl
-from cegppo.plots import COMPARE_PANELS, _plt, _save, _series, run_label
+from cegppo.plots import COMPARE_PANELS, EVAL_TAGS, _plt, _save, _series, run_label
 
 
 def _eval_series(run: Path) -> tuple[list[int], list[float]]:
-    evals = [e for e in read_jsonl(run / "eval.jsonl") if e.get("tag") in ("periodic", "final", "warm-start", "base")]
+    evals = [e for e in read_jsonl(run / "eval.jsonl") if e.get("tag") in EVAL_TAGS]
     pts = sorted({e["step"]: e["accuracy"] for e in evals}.items())
     return [p[0] for p in pts], [p[1] for p in pts]
 

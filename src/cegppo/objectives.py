@@ -348,8 +348,10 @@ class Objective:
         agg = agg or self.default_agg
         if self.compile and agg in _SCALAR_DIVISOR_AGGS:
             m = mask.to(log_prob.dtype)
-            denom = {"token-mean": m.sum().clamp(min=1.0) if num_tokens is None else num_tokens,
-                     "token-sum": 1.0, "seq-mean-token-sum-norm": float(mask.shape[-1])}[agg]
+            if agg == "token-mean":
+                denom = m.sum().clamp(min=1.0) if num_tokens is None else num_tokens
+            else:
+                denom = 1.0 if agg == "token-sum" else float(mask.shape[-1])
             denom = torch.as_tensor(denom, dtype=log_prob.dtype, device=log_prob.device)
             adv = _broadcast_advantages(advantages, log_prob)
             kernel = _fused_kernel(self.name, self.hparams)

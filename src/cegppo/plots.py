@@ -8,6 +8,9 @@ from cegppo.diagnostics import QUADRANTS
 from cegppo.io import read_jsonl
 
 
+EVAL_TAGS = ("periodic", "final", "warm-start", "base")  # eval.jsonl rows that are held-out accuracy points
+
+
 def _plt():
     import matplotlib
 
@@ -43,7 +46,7 @@ def plot_run(run_dir: str | Path, out: str | Path | None = None) -> Path:
     axes[0].set(title="Entropy (nats/token)", xlabel="RL step")
     axes[1].plot(*_series(rows, "reward/mean"), label="reward (mean)")
     axes[1].plot(*_series(rows, "reward/accuracy"), label="train accuracy")
-    periodic = [e for e in evals if e.get("tag") in ("periodic", "final", "warm-start", "base")]
+    periodic = [e for e in evals if e.get("tag") in EVAL_TAGS]
     if periodic:
         axes[1].plot([e["step"] for e in periodic], [e["accuracy"] for e in periodic], "o--", label="held-out accuracy")
         for e in periodic:

@@ -121,7 +121,7 @@ class HFRollout:
         responses = torch.cat([torch.nn.functional.pad(o, (0, width - o.shape[1]), value=pad) for o in outs])
         response_mask, truncated = response_mask_from(responses, self.eos)
         responses = torch.where(response_mask.bool(), responses, pad)
-        texts = self.tokenizer.batch_decode(torch.where(response_mask.bool(), responses, pad), skip_special_tokens=True)
+        texts = self.tokenizer.batch_decode(responses, skip_special_tokens=True)
         return RolloutBatch(
             input_ids=torch.cat([prompt_ids, responses], 1),
             attention_mask=torch.cat([prompt_mask, response_mask], 1),

@@ -137,7 +137,8 @@ class Trainer:
         o = cfg.optim
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=o.lr, betas=tuple(o.betas), weight_decay=o.weight_decay)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lr_multiplier(o.warmup_steps))
-        self.state = {"step": 0, "cursor": 0, "bad_steps": 0, "epoch": 0}
+        self.state = {"step": 0, "cursor": 0, "bad_steps": 0}
+        self._order: tuple[int, list[int]] | None = None  # (epoch, shuffled indices), cached
         if resume_from is not None:
             self.state.update(ckpt.load_training_state(resume_from, self.optimizer, self.scheduler))
             log.info("resumed from %s at step %d", resume_from, self.state["step"])
@@ -197,11 +198,11 @@ class Trainer:
         n = len(self.train_problems)
         while len(out) < count:
             epoch, pos = divmod(self.state["cursor"], n)
-            g = torch.Generator().manual_seed(step_seed(self.cfg.train.seed, epoch, "data"))
-            order = torch.randperm(n, generator=g)
-            out.append(self.train_problems[int(order[pos])])
+            if self._order is None or self._order[0] != epoch:  # one shuffle per epoch, derived from the seed
+                g = torch.Generator().manual_seed(step_seed(self.cfg.train.seed, epoch, "data"))
+                self._order = (epoch, torch.randperm(n, generator=g).tolist())
+            out.append(self.train_problems[self._order[1][pos]])
             self.state["cursor"] += 1
-            self.state["epoch"] = epoch
         return out
 
     # ---------------------------------------------------------------------------------------------------
@@ -428,8 +429,8 @@ class Trainer:
                     f"{cfg.train.max_bad_steps}); stopping. Last checkpoint: {ckpt.latest_valid_checkpoint(self.ckpt_dir)}")
         if bar is not None:
             bar.close()
-        if cfg.train.save_every and (not ckpt.list_checkpoints(self.ckpt_dir) or
-                                     ckpt.list_checkpoints(self.ckpt_dir)[-1].name != f"step_{self.state['step']:06d}"):
+        saved = ckpt.list_checkpoints(self.ckpt_dir)
+        if cfg.train.save_every and (not saved or saved[-1].name != f"step_{self.state['step']:06d}"):
             self.save()
         return rows
 
