@@ -2,34 +2,50 @@
 
     python benchmarks/objectives.py [--batch 64] [--tokens 8192] [--repeats 20]
 
-Rows: every registered objective (``cegppo.objectives``), the authors'-shape boolean-mask CE-GPPO
-(``cegppo.reference.ce_gppo_masked``), the plain ``torch.where`` + autograd CE-GPPO (``ce_gppo_where``), and
-the memory-bandwidth floor: the bytes a fused loss must move (read log_prob, old_log_prob, mask and the
-advantages; write the gradient; read the upstream gradient) divided by the copy bandwidth measured in the
-same process on tensors of the same size. All timings are medians in the same process, reported as ratios.
+Rows: every registered objective (``cegppo.objectives``); ``ce_gppo`` with ``compile=True``, which on CPU
+runs the hand-fused C kernel of ``cegppo.kernels``, and the same call with that kernel switched off
+(``CEGPPO_CPU_KERNEL=0``: Inductor's fused kernel); the authors'-shape boolean-mask CE-GPPO
+(``cegppo.reference.ce_gppo_masked``); the plain ``torch.where`` + autograd CE-GPPO (``ce_gppo_where``); and
+the memory-bandwidth floor: the bytes any forward + backward of the loss must move (read log_prob,
+old_log_prob, the mask and the [B] advantages; write the [B, T] gradient: 4 passes of B x T fp32) divided by
+the copy bandwidth, timed as a copy of that many bytes. All rows and the floor are timed round-robin in
+the same process (medians per call) and reported as ratios, so the machine's drifts hit them alike.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import time
 import tracemalloc
 
 import torch
 
-from cegppo import reference
+from cegppo import kernels, reference
 from cegppo.objectives import OBJECTIVES, get_objective
 
 
-def timed(fn, repeats: int) -> float:
-    fn()  # warm-up
-    times = []
-    for _ in range(repeats):
+FUSED = "ce_gppo [compile=True, C kernel]"
+FLOOR = "memory-bandwidth floor"
+
+
+def time_interleaved(fns: dict[str, callable], rounds: int, batch_seconds: float = 0.005) -> dict[str, float]:
+    """Median seconds per call of each function, measured round-robin: every round times a short batch of
+    calls of each function in turn, so drifts of the machine's speed hit every row (and the floor) alike."""
+    per_batch = {}
+    for name, fn in fns.items():
         t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+        fn()  # warm-up, and a first estimate of the call's cost
+        per_batch[name] = max(1, int(batch_seconds / max(time.perf_counter() - t0, 1e-7)))
+    times: dict[str, list[float]] = {name: [] for name in fns}
+    for _ in range(rounds):
+        for name, fn in fns.items():
+            t0 = time.perf_counter()
+            for _ in range(per_batch[name]):
+                fn()
+            times[name].append((time.perf_counter() - t0) / per_batch[name])
+    return {name: statistics.median(v) for name, v in times.items()}
 
 
 def peak_bytes(fn) -> int:
@@ -52,9 +68,9 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--batch", type=int, default=64)
     ap.add_argument("--tokens", type=int, default=8192)
-    ap.add_argument("--repeats", type=int, default=20)
+    ap.add_argument("--repeats", type=int, default=20, help="timing rounds (each a ~5 ms batch of calls per row)")
     ap.add_argument("--threads", type=int, default=None)
-    ap.add_argument("--no-compile", action="store_true", help="skip the torch.compile'd fused row")
+    ap.add_argument("--no-compile", action="store_true", help="skip the compile=True rows")
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -89,25 +105,39 @@ def main() -> None:
         rows.append((name, run_objective(get_objective(name))))
     if not args.no_compile:
         t0 = time.perf_counter()
+        if not kernels.available():
+            raise SystemExit("the fused C kernel could not be built here (see the warning above)")
+        print(f"built the C kernel in {time.perf_counter() - t0:.1f} s (one-off; cached afterwards)")
         fused = run_objective(get_objective("ce_gppo", compile=True))
-        fused()
-        print(f"compiled ce_gppo in {time.perf_counter() - t0:.1f} s (one-off)")
-        rows.append(("ce_gppo [compile=True, fused]", fused))
+        rows.append((FUSED, fused))
+
+        inductor = run_objective(get_objective("ce_gppo", compile=True))
+
+        def torch_compiled():  # the same call with the C kernel switched off: Inductor's fused kernel
+            os.environ["CEGPPO_CPU_KERNEL"] = "0"
+            try:
+                return inductor()
+            finally:
+                del os.environ["CEGPPO_CPU_KERNEL"]
+
+        t0 = time.perf_counter()
+        torch_compiled()
+        print(f"torch.compile'd ce_gppo in {time.perf_counter() - t0:.1f} s (one-off)")
+        rows.append(("ce_gppo [compile=True, CEGPPO_CPU_KERNEL=0]", torch_compiled))
     rows.append(("ce_gppo [boolean-mask, authors' shape]", run(lambda lp: reference.ce_gppo_masked(lp, old, adv))))
     rows.append(("ce_gppo [torch.where + autograd]", run(lambda lp: reference.ce_gppo_where(lp, old, adv))))
 
-    # memory-bandwidth floor: a loss must read lp, old and mask, write its gradient and (fwd->bwd) carry one
-    # saved tensor (adv is [B]): 5 passes of B*T fp32. Copy bandwidth is measured on a buffer of that total size.
-    floor_bytes = 5 * B * T * 4 + B * 4
+    # memory-bandwidth floor: read lp, old and mask, write the gradient (4 passes of B*T fp32) and read adv [B];
+    # timed as a copy of that many bytes (half read, half written), in the same rounds as the rows
+    floor_bytes = 4 * B * T * 4 + B * 4
     src = torch.randn(floor_bytes // 8)
     dst = torch.empty_like(src)
-    copy_s = timed(lambda: dst.copy_(src), args.repeats * 10)
-    copy_bw = 2 * src.numel() * 4 / copy_s  # bytes read + written per second
-    floor_s = floor_bytes / copy_bw
+    results = time_interleaved({**dict(rows), FLOOR: lambda: dst.copy_(src)}, args.repeats)
+    floor_s = results[FLOOR]
+    copy_bw = floor_bytes / floor_s
 
-    results = {name: timed(fn, args.repeats) for name, fn in rows}
     mem = {name: peak_bytes(fn) for name, fn in rows}
-    ours = results.get("ce_gppo [compile=True, fused]", results["ce_gppo"])
+    ours = results.get(FUSED, results["ce_gppo"])
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, B x T = {B} x {T} = {B*T:,} tokens")
     print(f"copy bandwidth {copy_bw/1e9:.1f} GB/s -> floor {floor_bytes/1e6:.1f} MB = {floor_s*1e3:.2f} ms\n")
     print(f"| {'objective (fwd+bwd, token-mean)':42s} | {'ms':>8s} | {'vs fastest':>10s} | {'vs floor':>8s} | {'peak MB':>8s} |")
@@ -115,10 +145,11 @@ def main() -> None:
     for name, _ in rows:
         t = results[name]
         print(f"| {name:42s} | {t*1e3:8.2f} | {t/ours:9.2f}x | {t/floor_s:7.2f}x | {mem[name]/2**20:8.1f} |")
-    print(f"| {'memory-bandwidth floor':42s} | {floor_s*1e3:8.2f} | {floor_s/ours:9.2f}x | {1.0:7.2f}x | {'':>8s} |")
+    print(f"| {FLOOR:42s} | {floor_s*1e3:8.2f} | {floor_s/ours:9.2f}x | {1.0:7.2f}x | {'':>8s} |")
     masked = results["ce_gppo [boolean-mask, authors' shape]"]
     where = results["ce_gppo [torch.where + autograd]"]
-    for label, t in (("eager", results["ce_gppo"]), ("compiled", results.get("ce_gppo [compile=True, fused]"))):
+    for label, t in (("eager", results["ce_gppo"]), ("compile=True, C kernel", results.get(FUSED)),
+                     ("compile=True, torch.compile", results.get("ce_gppo [compile=True, CEGPPO_CPU_KERNEL=0]"))):
         if t is not None:
             print(f"ce_gppo ({label}): {masked/t:.1f}x faster than boolean-mask, {where/t:.1f}x faster than "
                   f"torch.where+autograd, {t/floor_s:.2f}x the bandwidth floor")

@@ -227,7 +227,9 @@ def test_metrics_are_tensors_and_region_fractions_correct():
 
 
 @pytest.mark.parametrize("agg", ["token-mean", "seq-mean-token-sum-norm"])
-def test_compiled_fused_path_matches_eager(agg):
+@pytest.mark.parametrize("cpu_kernel", ["1", "0"], ids=["C-kernel", "torch.compile"])
+def test_compiled_fused_path_matches_eager(agg, cpu_kernel, monkeypatch):
+    monkeypatch.setenv("CEGPPO_CPU_KERNEL", cpu_kernel)  # the C kernel (cegppo.kernels) or Inductor's fused kernel
     lp, old, adv, mask = random_batch(B=8, T=16, spread=1.0)
     lp, old, adv, mask = lp.float(), old.float(), adv.float(), mask.float()
     eager = get_objective("ce_gppo", beta1=0.5)

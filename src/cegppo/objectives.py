@@ -54,6 +54,10 @@ class _Surrogate(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, grad_out: Tensor) -> tuple[Tensor, None, None]:
         (grad_weight,) = ctx.saved_tensors
+        if grad_out.dim() == 0 and grad_out.device.type == "cpu" and grad_out.item() == 1.0:
+            # loss.backward() on the aggregated loss: hand our buffer over instead of copying it times one
+            # (autograd takes it as the gradient without a copy; saves a full pass). On CPU .item() is no sync.
+            return grad_weight, None, None
         return grad_out * grad_weight, None, None
 
 
@@ -243,16 +247,30 @@ class _Spec:
     defaults: dict[str, Any]
     default_agg: str = "token-mean"
     doc: str = ""
+    # For the clipped-surrogate family: hyperparameters -> ((value, grad weight) in the low region,
+    # (value, grad weight) in the high region), i.e. ``fn``'s table, for the fused CPU kernel (cegppo.kernels).
+    clip_regions: Callable[..., tuple[tuple[float, float], tuple[float, float]]] | None = None
+
+
+def _ce_gppo_regions(eps_low: float, eps_high: float, beta1: float, beta2: float, **_: Any):
+    return (beta1 * (1.0 - eps_low),) * 2, (beta2 * (1.0 + eps_high),) * 2
+
+
+def _ppo_clip_regions(eps_low: float, eps_high: float, **_: Any):
+    return (1.0 - eps_low, 0.0), (1.0 + eps_high, 0.0)
 
 
 OBJECTIVES: dict[str, _Spec] = {
     "ce_gppo": _Spec(ce_gppo, dict(eps_low=0.2, eps_high=0.2, beta1=0.75, beta2=1.0, clip_ratio_c=10.0),
-                     doc="CE-GPPO; defaults are the authors' 7B script"),
+                     doc="CE-GPPO; defaults are the authors' 7B script", clip_regions=_ce_gppo_regions),
     "gppo": _Spec(ce_gppo, dict(eps_low=0.2, eps_high=0.2, beta1=1.0, beta2=1.0, clip_ratio_c=10.0),
-                  doc="GPPO (Klear-Reasoner) = CE-GPPO with beta1 = beta2 = 1"),
-    "ppo_clip": _Spec(ppo_clip, dict(eps_low=0.2, eps_high=0.2, clip_ratio_c=None), doc="PPO clipped surrogate"),
-    "grpo": _Spec(ppo_clip, dict(eps_low=0.2, eps_high=0.2, clip_ratio_c=None), doc="ppo_clip with eps 0.2/0.2"),
-    "dapo": _Spec(ppo_clip, dict(eps_low=0.2, eps_high=0.28, clip_ratio_c=None), doc="ppo_clip, clip-higher 0.28"),
+                  doc="GPPO (Klear-Reasoner) = CE-GPPO with beta1 = beta2 = 1", clip_regions=_ce_gppo_regions),
+    "ppo_clip": _Spec(ppo_clip, dict(eps_low=0.2, eps_high=0.2, clip_ratio_c=None), doc="PPO clipped surrogate",
+                      clip_regions=_ppo_clip_regions),
+    "grpo": _Spec(ppo_clip, dict(eps_low=0.2, eps_high=0.2, clip_ratio_c=None), doc="ppo_clip with eps 0.2/0.2",
+                  clip_regions=_ppo_clip_regions),
+    "dapo": _Spec(ppo_clip, dict(eps_low=0.2, eps_high=0.28, clip_ratio_c=None), doc="ppo_clip, clip-higher 0.28",
+                  clip_regions=_ppo_clip_regions),
     "cispo": _Spec(cispo, dict(eps_low=0.2, eps_high=0.28), doc="CISPO, two-sided clamp"),
     "gspo": _Spec(gspo, dict(eps_low=3e-4, eps_high=4e-4), default_agg="seq-mean-token-mean",
                   doc="GSPO sequence-level ratio"),
@@ -306,9 +324,11 @@ def _fused_kernel(name: str, hparams: dict[str, Any]) -> Callable:
 class Objective:
     """A named objective with bound hyperparameters. Build it with :func:`get_objective`.
 
-    ``compile=True`` fuses loss, mask and aggregation into one ``torch.compile`` kernel for the aggregations
-    with a scalar divisor (token-mean, token-sum, seq-mean-token-sum-norm): several times faster per call,
-    at a one-off compile cost (tens of seconds on CPU, per input rank/dtype).
+    ``compile=True`` fuses loss, mask, aggregation and region metrics into one pass for the aggregations with
+    a scalar divisor (token-mean, token-sum, seq-mean-token-sum-norm). For the clipped family (ce_gppo, gppo,
+    ppo_clip, grpo, dapo) on float32 CPU tensors that pass is a hand-written C kernel (:mod:`cegppo.kernels`,
+    built once in under a second); otherwise it is a ``torch.compile`` kernel (one-off compile of several
+    seconds on CPU, per input rank/dtype).
     """
 
     name: str
@@ -352,16 +372,35 @@ class Objective:
                 denom = m.sum().clamp(min=1.0) if num_tokens is None else num_tokens
             else:
                 denom = 1.0 if agg == "token-sum" else float(mask.shape[-1])
-            denom = torch.as_tensor(denom, dtype=log_prob.dtype, device=log_prob.device)
             adv = _broadcast_advantages(advantages, log_prob)
-            kernel = _fused_kernel(self.name, self.hparams)
-            value, grad, metrics = kernel(log_prob.detach(), old_log_prob.detach(), adv, m, denom)
+            if self._cpu_kernel_applies(log_prob):
+                from cegppo import kernels
+
+                low, high = self.spec.clip_regions(**self.hparams)
+                grad, stats = kernels.clip_surrogate(
+                    log_prob, old_log_prob, adv, m, float(denom), eps_low=self.hparams["eps_low"],
+                    eps_high=self.hparams["eps_high"], low=low, high=high, clip_ratio_c=self.hparams["clip_ratio_c"],
+                )
+                value, *rest = stats.unbind()
+                metrics = dict(zip(kernels.STAT_NAMES[1:], rest))
+            else:
+                denom = torch.as_tensor(denom, dtype=log_prob.dtype, device=log_prob.device)
+                kernel = _fused_kernel(self.name, self.hparams)
+                value, grad, metrics = kernel(log_prob.detach(), old_log_prob.detach(), adv, m, denom)
             loss = surrogate(log_prob, value, grad)
         else:
             loss = aggregate(self.token_loss(log_prob, old_log_prob, advantages, mask), mask, agg, num_tokens, num_seqs)
             metrics = region_metrics(self, log_prob, old_log_prob, advantages, mask)
         metrics["loss"] = loss.detach()
         return loss, metrics
+
+    def _cpu_kernel_applies(self, log_prob: Tensor) -> bool:
+        """The hand-fused C kernel covers the clipped family on float32 CPU tensors (cegppo.kernels)."""
+        if self.spec.clip_regions is None or log_prob.device.type != "cpu" or log_prob.dtype != torch.float32:
+            return False
+        from cegppo import kernels
+
+        return kernels.available()
 
     @property
     def region_bounds(self) -> tuple[float | None, float | None, float | None, bool]:
