@@ -169,3 +169,20 @@ def test_nan_propagates():
     _, g_ref, _ = run(get_objective("ce_gppo"), lp, old, adv, mask)
     assert torch.isnan(g[2, 0]) == torch.isnan(g_ref[2, 0])
     assert torch.isnan(m["ratio/mean"])
+
+
+def test_bad_shapes_raise_instead_of_reading_past_the_buffers():
+    lp, old, adv, mask = batch()
+    kw = dict(eps_low=0.2, eps_high=0.2, low=(0.6, 0.6), high=(1.2, 1.2), clip_ratio_c=None)
+    with pytest.raises(ValueError, match="one shape"):
+        kernels.clip_surrogate(lp, old[:, :-1], adv, mask, 1.0, **kw)
+    with pytest.raises(ValueError, match="advantages"):
+        kernels.clip_surrogate(lp, old, adv[:-1], mask, 1.0, **kw)
+
+
+def test_mixed_dtypes_are_converted():
+    lp, old, adv, mask = batch()
+    obj = get_objective("ce_gppo", compile=True)
+    out = run(obj, lp, old.double(), adv.double(), mask.bool())
+    ref = run(obj, lp, old, adv, mask)
+    torch.testing.assert_close(out[1], ref[1])

@@ -6,7 +6,15 @@ import torch
 from cegppo import reference
 from cegppo.objectives import AGGREGATIONS, OBJECTIVES, aggregate, get_objective
 
-torch.set_default_dtype(torch.float64)
+
+
+@pytest.fixture(autouse=True)
+def float64_by_default():
+    """These tests compare formulations to 1e-12: float64, for this module only (not a collection-time global)."""
+    before = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)
+    yield
+    torch.set_default_dtype(before)
 
 
 def one_token(obj, ratio, adv):

@@ -128,9 +128,17 @@ def clip_surrogate(
     inputs; ``advantages`` ``[B, 1]`` or ``[B, T]``; ``low`` / ``high`` = (value, grad weight) of the two clip
     regions (``clip_surrogate.c`` has the table). ``loss = sum(value * mask) / denom``, grad likewise."""
     lib = load()
-    lp, old, m = (t.detach().contiguous() for t in (log_prob, old_log_prob, mask))
-    adv = advantages.detach().contiguous()
-    B, T = lp.shape
+    if log_prob.dim() != 2 or old_log_prob.shape != log_prob.shape or mask.shape != log_prob.shape:
+        raise ValueError(f"clip_surrogate needs log_prob, old_log_prob and mask of one shape [B, T]; got "
+                         f"{tuple(log_prob.shape)}, {tuple(old_log_prob.shape)}, {tuple(mask.shape)}")
+    B, T = log_prob.shape
+    if advantages.shape not in ((B, 1), (B, T)):
+        raise ValueError(f"clip_surrogate needs advantages of shape [B, 1] or [B, T] = {(B, T)}; "
+                         f"got {tuple(advantages.shape)}")
+    # the C code reads raw float32 memory: convert and compact first (no-ops for float32 contiguous inputs)
+    lp, old, m, adv = (
+        t.detach().to("cpu", torch.float32).contiguous() for t in (log_prob, old_log_prob, mask, advantages)
+    )
     grad = torch.empty_like(lp)
     stats = torch.empty(len(STAT_NAMES), dtype=torch.float32)
     c = math.inf if clip_ratio_c is None else clip_ratio_c
