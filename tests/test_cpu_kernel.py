@@ -138,7 +138,7 @@ def test_missing_compiler_warns_once_and_falls_back(monkeypatch, tmp_path):
     monkeypatch.setenv("CEGPPO_CACHE", str(tmp_path))
     monkeypatch.setattr(kernels, "_lib", None)
     monkeypatch.setattr(kernels, "_error", None)
-    monkeypatch.setattr(kernels.available, "warned", False, raising=False)
+    monkeypatch.setattr(kernels, "_warned", False)
     with pytest.raises(kernels.KernelUnavailable, match="no C compiler 'no-such-cc'"):
         kernels.load()
     with warnings.catch_warnings(record=True) as w:

@@ -26,6 +26,8 @@ from typing import Any, Callable
 import torch
 from torch import Tensor
 
+from cegppo import kernels
+
 __all__ = [
     "AGGREGATIONS",
     "Objective",
@@ -362,44 +364,47 @@ class Objective:
         num_tokens: float | Tensor | None = None,
         num_seqs: float | Tensor | None = None,
     ) -> tuple[Tensor, dict[str, Tensor]]:
-        """Aggregated loss and region metrics (0-d tensors; no host sync)."""
+        """Aggregated loss and region metrics (0-d tensors; no device sync)."""
         from cegppo.diagnostics import region_metrics  # local import: diagnostics imports this module
 
         agg = agg or self.default_agg
         if self.compile and agg in _SCALAR_DIVISOR_AGGS:
-            m = mask.to(log_prob.dtype)
-            if agg == "token-mean":
-                denom = m.sum().clamp(min=1.0) if num_tokens is None else num_tokens
-            else:
-                denom = 1.0 if agg == "token-sum" else float(mask.shape[-1])
-            adv = _broadcast_advantages(advantages, log_prob)
-            if self._cpu_kernel_applies(log_prob):
-                from cegppo import kernels
-
-                low, high = self.spec.clip_regions(**self.hparams)
-                grad, stats = kernels.clip_surrogate(
-                    log_prob, old_log_prob, adv, m, float(denom), eps_low=self.hparams["eps_low"],
-                    eps_high=self.hparams["eps_high"], low=low, high=high, clip_ratio_c=self.hparams["clip_ratio_c"],
-                )
-                value, *rest = stats.unbind()
-                metrics = dict(zip(kernels.STAT_NAMES[1:], rest))
-            else:
-                denom = torch.as_tensor(denom, dtype=log_prob.dtype, device=log_prob.device)
-                kernel = _fused_kernel(self.name, self.hparams)
-                value, grad, metrics = kernel(log_prob.detach(), old_log_prob.detach(), adv, m, denom)
-            loss = surrogate(log_prob, value, grad)
+            loss, metrics = self._fused(log_prob, old_log_prob, advantages, mask, agg, num_tokens)
         else:
             loss = aggregate(self.token_loss(log_prob, old_log_prob, advantages, mask), mask, agg, num_tokens, num_seqs)
             metrics = region_metrics(self, log_prob, old_log_prob, advantages, mask)
         metrics["loss"] = loss.detach()
         return loss, metrics
 
+    def _fused(
+        self, log_prob: Tensor, old_log_prob: Tensor, advantages: Tensor, mask: Tensor, agg: str, num_tokens: Any
+    ) -> tuple[Tensor, dict[str, Tensor]]:
+        """Loss, gradient and region metrics in one pass: the C kernel (clipped family, float32 CPU) or Inductor."""
+        m = mask.to(log_prob.dtype)
+        if agg == "token-mean":
+            denom = m.sum().clamp(min=1.0) if num_tokens is None else num_tokens
+        else:
+            denom = 1.0 if agg == "token-sum" else float(mask.shape[-1])
+        adv = _broadcast_advantages(advantages, log_prob)
+        if self._cpu_kernel_applies(log_prob):
+            hp = self.hparams
+            low, high = self.spec.clip_regions(**hp)
+            grad, stats = kernels.clip_surrogate(
+                log_prob, old_log_prob, adv, m, float(denom),  # float(): a CPU read, no device sync
+                eps_low=hp["eps_low"], eps_high=hp["eps_high"], low=low, high=high, clip_ratio_c=hp["clip_ratio_c"],
+            )
+            value, *rest = stats.unbind()
+            metrics = dict(zip(kernels.STAT_NAMES[1:], rest))
+        else:
+            denom = torch.as_tensor(denom, dtype=log_prob.dtype, device=log_prob.device)
+            kernel = _fused_kernel(self.name, self.hparams)
+            value, grad, metrics = kernel(log_prob.detach(), old_log_prob.detach(), adv, m, denom)
+        return surrogate(log_prob, value, grad), metrics
+
     def _cpu_kernel_applies(self, log_prob: Tensor) -> bool:
         """The hand-fused C kernel covers the clipped family on float32 CPU tensors (cegppo.kernels)."""
         if self.spec.clip_regions is None or log_prob.device.type != "cpu" or log_prob.dtype != torch.float32:
             return False
-        from cegppo import kernels
-
         return kernels.available()
 
     @property

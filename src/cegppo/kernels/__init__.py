@@ -40,6 +40,7 @@ class KernelUnavailable(RuntimeError):
 
 _lib: ctypes.CDLL | None = None
 _error: KernelUnavailable | None = None
+_warned = False
 
 
 def _cpu_id() -> str:
@@ -101,11 +102,12 @@ def available() -> bool:
     """Whether ``clip_surrogate`` can run here (builds it on first call; warns once if it cannot)."""
     if os.environ.get("CEGPPO_CPU_KERNEL", "1") == "0":
         return False
+    global _warned
     try:
         load()
     except KernelUnavailable as e:
-        if not getattr(available, "warned", False):
-            available.warned = True
+        if not _warned:
+            _warned = True
             warnings.warn(f"cegppo: fused CPU kernel unavailable, using torch.compile instead: {e}", stacklevel=3)
         return False
     return True
