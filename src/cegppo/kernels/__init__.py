@@ -6,6 +6,10 @@ objectives (``ce_gppo``, ``gppo``, ``ppo_clip`` and its ``grpo`` / ``dapo`` sett
 it uses ``torch.compile``. Why a C kernel: on CPU, Inductor splits this computation into two loops and
 materialises the ratio twice, which keeps it 4-5x above the memory-bandwidth floor (``benchmarks/objectives.py``).
 
+Its ``exp`` is a polynomial within about 2 ulp of ``torch.exp`` (tested over the whole clamp range), so loss,
+gradient and metrics agree with the Python definitions to float32 rounding; a token whose ratio lies within
+that distance of a clip boundary may land on the other side of it.
+
 The library lands in ``$CEGPPO_CACHE/kernels`` (default ``~/.cache/cegppo/kernels``), named by a hash of the
 source, the compiler and the CPU, so it is rebuilt when any of them changes. ``CC`` picks the compiler
 (default ``cc``); ``CEGPPO_CPU_KERNEL=0`` turns the kernel off. If it cannot be built, the first caller
