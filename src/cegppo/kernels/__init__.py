@@ -4,7 +4,8 @@
 objectives (``ce_gppo``, ``gppo``, ``ppo_clip`` and its ``grpo`` / ``dapo`` settings) in one vectorized pass.
 ``get_objective(..., compile=True)`` uses it for float32 CPU tensors; on other devices, dtypes and objectives
 it uses ``torch.compile``. Why a C kernel: on CPU, Inductor splits this computation into two loops and
-materialises the ratio twice, which keeps it 4-5x above the memory-bandwidth floor (``benchmarks/objectives.py``).
+materialises the ratio twice, which keeps it at 3-4x the memory-bandwidth floor, against 2.1-2.3x for this
+kernel (``benchmarks/results/objectives.md``).
 
 Its ``exp`` is a polynomial within about 2 ulp of ``torch.exp`` (tested over the whole clamp range), so loss,
 gradient and metrics agree with the Python definitions to float32 rounding; a token whose ratio lies within
