@@ -43,13 +43,18 @@ def run(obj, lp, old, adv, mask, **kw):
     return loss.detach(), x.grad, metrics
 
 
+# these tests do not need a working kernel; every other test here is skipped on machines without a C compiler
+NEEDS_NO_KERNEL = {"test_kernel_builds_in_ci", "test_missing_compiler_warns_once_and_falls_back", "test_switch_off"}
+
+
 @pytest.fixture(autouse=True)
-def need_kernel():
-    if not kernels.available():
-        pytest.skip("no C compiler here")  # CI has one: test_kernel_builds_in_ci asserts it
+def need_kernel(request):
+    if request.node.originalname not in NEEDS_NO_KERNEL and not kernels.available():
+        pytest.skip("no C compiler here")
 
 
 def test_kernel_builds_in_ci():
+    # CI's machine has gcc (Inductor needs it too): there the kernel must build, not be skipped
     assert kernels.available()
 
 
