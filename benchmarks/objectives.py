@@ -18,7 +18,6 @@ import argparse
 import os
 import statistics
 import time
-import tracemalloc
 
 import torch
 
@@ -105,11 +104,11 @@ def main() -> None:
         rows.append((name, run_objective(get_objective(name))))
     if not args.no_compile:
         t0 = time.perf_counter()
-        if not kernels.available():
-            raise SystemExit("the fused C kernel could not be built here (see the warning above)")
-        print(f"C kernel ready in {time.perf_counter() - t0:.2f} s (built on first use, then loaded from the cache)")
-        fused = run_objective(get_objective("ce_gppo", compile=True))
-        rows.append((FUSED, fused))
+        if kernels.available():
+            print(f"C kernel ready in {time.perf_counter() - t0:.2f} s (built on first use, then loaded from the cache)")
+            rows.append((FUSED, run_objective(get_objective("ce_gppo", compile=True))))
+        else:
+            print("no C-kernel row: the kernel cannot be built here (see the warning above)")
 
         inductor = run_objective(get_objective("ce_gppo", compile=True))
 
