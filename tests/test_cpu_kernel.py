@@ -191,3 +191,13 @@ def test_mixed_dtypes_are_converted():
     out = run(obj, lp, old.double(), adv.double(), mask.bool())
     ref = run(obj, lp, old, adv, mask)
     torch.testing.assert_close(out[1], ref[1])
+
+
+def test_damaged_cached_library_is_rebuilt(monkeypatch, tmp_path):
+    monkeypatch.setenv("CEGPPO_CACHE", str(tmp_path))
+    monkeypatch.setattr(kernels, "_lib", None)
+    monkeypatch.setattr(kernels, "_error", None)
+    path = kernels.build()
+    path.write_bytes(b"not a shared library")  # e.g. a file damaged on disk
+    assert kernels.load() is not None
+    assert path.read_bytes() != b"not a shared library"

@@ -65,23 +65,27 @@ def build(cache_dir: Path | None = None) -> Path:
     compiler = shutil.which(cc)
     if compiler is None:
         raise KernelUnavailable(f"no C compiler {cc!r} on PATH (set CC to one)")
-    version = subprocess.run([compiler, "--version"], capture_output=True, text=True).stdout
-    key = hashlib.sha256("\0".join([SOURCE.read_text(), *FLAGS, version, platform.machine(), _cpu_id()]).encode())
-    cache_dir = cache_dir or cache_root() / "kernels"
-    target = cache_dir / f"clip_surrogate-{key.hexdigest()[:16]}.so"
-    if target.exists():
-        return target
-    cache_dir.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=".tmp-clip_surrogate-", suffix=".so", dir=cache_dir)
-    os.close(fd)
     try:
-        proc = subprocess.run([compiler, *FLAGS, "-o", tmp, str(SOURCE)], capture_output=True, text=True)
-        if proc.returncode != 0:
-            raise KernelUnavailable(f"`{cc} {' '.join(FLAGS)}` failed:\n{proc.stderr.strip()}")
-        os.replace(tmp, target)  # concurrent builders write identical files; readers never see a partial one
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
+        version = subprocess.run([compiler, "--version"], capture_output=True, text=True, timeout=60).stdout
+        key = hashlib.sha256("\0".join([SOURCE.read_text(), *FLAGS, version, platform.machine(), _cpu_id()]).encode())
+        cache_dir = cache_dir or cache_root() / "kernels"
+        target = cache_dir / f"clip_surrogate-{key.hexdigest()[:16]}.so"
+        if target.exists():
+            return target
+        cache_dir.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(prefix=".tmp-clip_surrogate-", suffix=".so", dir=cache_dir)
+        os.close(fd)
+        try:
+            cmd = [compiler, *FLAGS, "-o", tmp, str(SOURCE)]
+            proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+            if proc.returncode != 0:
+                raise KernelUnavailable(f"`{cc} {' '.join(FLAGS)}` failed:\n{proc.stderr.strip()}")
+            os.replace(tmp, target)  # concurrent builders write identical files; readers never see a partial one
+        finally:
+            if os.path.exists(tmp):
+                os.unlink(tmp)
+    except (OSError, subprocess.SubprocessError) as e:  # unwritable cache, compiler crash or timeout
+        raise KernelUnavailable(f"building the kernel with {cc!r} failed: {e}") from e
     return target
 
 
@@ -90,9 +94,14 @@ def load() -> ctypes.CDLL:
     global _lib, _error
     if _lib is None and _error is None:
         try:
-            lib = ctypes.CDLL(str(build()))
+            path = build()
+            try:
+                lib = ctypes.CDLL(str(path))
+            except OSError:  # a cached file that does not load (damaged, foreign): rebuild it once
+                path.unlink(missing_ok=True)
+                lib = ctypes.CDLL(str(build()))
         except (OSError, KernelUnavailable) as e:
-            _error = e if isinstance(e, KernelUnavailable) else KernelUnavailable(str(e))
+            _error = e if isinstance(e, KernelUnavailable) else KernelUnavailable(f"cannot load the kernel: {e}")
         else:
             f, p, i64, f32 = lib.clip_surrogate, ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
             f.argtypes = [p, p, p, i64, p, i64, i64, *[f32] * 7, ctypes.c_double, ctypes.c_int, p, p]
