@@ -6,6 +6,30 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests"))  # so `fixtures.rewards:digit_overlap` imports as a user reward would
 
+SHARED_DATA = ROOT.parent / "shared" / "data"  # the shared AIME files (aime24.jsonl, aime25.jsonl), if present
+AIME_LAYOUTS = ("interleaved", "blocked")
+
+
+def write_x32(src: Path, dst: Path, layout: str = "interleaved") -> Path:
+    """Rebuild the released 960-row layout (30 prompts x 32 copies) from a 30-row file.
+
+    interleaved: the whole file repeated 32 times; blocked: each row repeated 32 times in a row.
+    """
+    lines = [ln for ln in src.read_text().splitlines() if ln.strip()]
+    reps = 32 * 30 // len(lines)
+    rows = lines * reps if layout == "interleaved" else [ln for ln in lines for _ in range(reps)]
+    dst.write_text("\n".join(rows) + "\n")
+    return dst
+
+
+@pytest.fixture(params=AIME_LAYOUTS)
+def aime24_x32(request, tmp_path) -> Path:
+    """Path of the AIME 24 file repeated 32 times (both layouts); skips when ../shared/data is absent."""
+    src = SHARED_DATA / "aime24.jsonl"
+    if not src.exists():
+        pytest.skip(f"{src} not present")
+    return write_x32(src, tmp_path / f"aime24_x32_{request.param}.jsonl", request.param)
+
 
 @pytest.fixture
 def tiny_config(tmp_path):

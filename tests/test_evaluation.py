@@ -1,9 +1,9 @@
 import json
 import math
-from pathlib import Path
 
 import pytest
 import torch
+from conftest import SHARED_DATA
 
 from cegppo.compare import compare_runs
 from cegppo.data import Problem, load_problems
@@ -11,8 +11,6 @@ from cegppo.evaluation import evaluate, majority_correct, pass_at_k
 from cegppo.rewards import load_reward
 from cegppo.rollout import RolloutBatch, Sampling
 from cegppo.trainer import Trainer
-
-SHARED = Path(__file__).resolve().parents[1].parent / "shared" / "data"
 
 
 def test_pass_at_k_hand_computed():
@@ -69,13 +67,9 @@ def test_avg_pass_maj_on_scripted_answers():
     assert [r["num_correct"] for r in res.rows] == [2, 1, 0]
 
 
-@pytest.mark.skipif(not (SHARED / "aime24.jsonl").exists(), reason="../shared/data not present")
-def test_eval_deduplicates_repeated_prompts(tmp_path):
-    # the authors' release repeats each AIME problem 32 times; rebuild that layout from the shared file
-    lines = (SHARED / "aime24.jsonl").read_text().splitlines()
-    repeated = tmp_path / "aime960.jsonl"
-    repeated.write_text("\n".join(line for line in lines for _ in range(32)) + "\n")
-    probs = load_problems(repeated)
+def test_eval_deduplicates_repeated_prompts(aime24_x32):
+    # the authors' release repeats each AIME problem 32 times; `aime24_x32` rebuilds that layout
+    probs = load_problems(aime24_x32)
     assert len(probs) == 30 and all(p.copies == 32 for p in probs)
     engine = ScriptedEngine({p.messages[-1]["content"]: [f"\\boxed{{{p.answer}}}"] * 2 for p in probs})
     res = evaluate(engine, probs, load_reward("math-strict"), k=2)
@@ -100,12 +94,12 @@ def test_compare_writes_plots_and_table(tiny_config, tmp_path):
     assert all(p.stat().st_size > 1000 for p in paths if p.suffix == ".png")
 
 
-@pytest.mark.skipif(not (SHARED / "aime24.jsonl").exists(), reason="../shared/data not present")
+@pytest.mark.skipif(not (SHARED_DATA / "aime24.jsonl").exists(), reason="../shared/data not present")
 def test_eval_cli_on_task_and_dataset_file(tmp_path, capsys):
     from cegppo.cli import main
 
     out = tmp_path / "res.jsonl"
-    rc = main(["eval", "--model", "tiny", "--data", "arithmetic", str(SHARED / "aime24.jsonl"), "--k", "2",
+    rc = main(["eval", "--model", "tiny", "--data", "arithmetic", str(SHARED_DATA / "aime24.jsonl"), "--k", "2",
                "--num-problems", "3", "--max-new-tokens", "8", "--dtype", "float32", "--out", str(out)])
     assert rc == 0
     rows = [json.loads(line) for line in out.read_text().splitlines()]

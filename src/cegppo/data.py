@@ -48,11 +48,19 @@ class Problem:
         return next(m["content"] for m in reversed(self.messages) if m["role"] == "user")
 
 
+def _canonical(messages: list[dict]) -> str:
+    """Canonical JSON of a prompt's messages (role and content only): its id source and dedupe key."""
+    return json.dumps([{"role": m["role"], "content": m["content"]} for m in messages],
+                      ensure_ascii=False, sort_keys=True, separators=(",", ":"))
+
+
+def _id_of(canon: str) -> str:
+    return hashlib.sha1(canon.encode("utf-8")).hexdigest()[:12]
+
+
 def prompt_id(messages: list[dict]) -> str:
     """Stable id of a prompt: first 12 hex of sha1 of the canonical JSON of its messages."""
-    canon = json.dumps([{"role": m["role"], "content": m["content"]} for m in messages],
-                       ensure_ascii=False, sort_keys=True, separators=(",", ":"))
-    return hashlib.sha1(canon.encode("utf-8")).hexdigest()[:12]
+    return _id_of(_canonical(messages))
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -122,14 +130,12 @@ def _detect_schema(loc: str, row: dict, prompt_key: str | None) -> str:
                        f"{PLAIN_HELP} (or pass schema=/prompt_key=/answer_key=)")
 
 
-def _messages(loc: str, value: Any, key: str, help_: str) -> list[dict]:
+def _messages(loc: str, value: str | list, key: str) -> list[dict]:
+    # `_parse_row` has already checked the type: a list (verl) or a str (plain).
     if isinstance(value, str):
         if not value.strip():
             raise DatasetError(f"{loc}: empty prompt in {key!r}")
         return [{"role": "user", "content": value}]
-    if not isinstance(value, list):
-        raise DatasetError(f"{loc}: {key!r} is {type(value).__name__}; expected a list of "
-                           f"{{role, content}} messages or a string ({help_})")
     if not value:
         raise DatasetError(f"{loc}: empty prompt: {key!r} is an empty list")
     msgs = []
@@ -144,7 +150,8 @@ def _messages(loc: str, value: Any, key: str, help_: str) -> list[dict]:
     return msgs
 
 
-def _answer(loc: str, value: Any, key: str, help_: str) -> str:
+def _answer(loc: str, value: Any, key: str, help_: str) -> tuple[str, bool]:
+    """Return (answer, converted): converted is True when a number was turned into a string."""
     if value is _MISSING:
         raise DatasetError(f"{loc}: missing {key!r} ({help_})")
     # bool is an int subclass but never a meaningful math answer.
@@ -154,12 +161,12 @@ def _answer(loc: str, value: Any, key: str, help_: str) -> str:
     if isinstance(value, float):
         if not math.isfinite(value):
             raise DatasetError(f"{loc}: {key!r} is {value!r}; expected a finite number or a string")
-        value = str(int(value)) if value.is_integer() else repr(value)
-    elif isinstance(value, int):
-        value = str(value)
+        return (str(int(value)) if value.is_integer() else repr(value)), True
+    if isinstance(value, int):
+        return str(value), True
     if not value.strip():
         raise DatasetError(f"{loc}: {key!r} is an empty string")
-    return value.strip()
+    return value.strip(), False
 
 
 def _optional_str(loc: str, row: dict, key: str) -> str | None:
@@ -172,8 +179,8 @@ def _optional_str(loc: str, row: dict, key: str) -> str | None:
 
 
 def _parse_row(loc: str, row: Any, schema: str, keys: dict[str, str | None], default_source: str,
-               explicit_source: str | None) -> tuple[Problem, bool]:
-    """Return (problem, has_explicit_id)."""
+               explicit_source: str | None) -> tuple[Problem, bool, bool, str]:
+    """Return (problem, has_explicit_id, answer_was_numeric, canonical JSON of the messages)."""
     if not isinstance(row, dict):
         raise DatasetError(f"{loc}: row is {type(row).__name__}; expected a JSON object")
     help_ = VERL_HELP if schema == "verl" else PLAIN_HELP
@@ -191,14 +198,14 @@ def _parse_row(loc: str, row: Any, schema: str, keys: dict[str, str | None], def
         raise DatasetError(f"{loc}: {pkey!r} is {type(pval).__name__}; {VERL_HELP}")
     if schema == "plain" and not isinstance(pval, str):
         raise DatasetError(f"{loc}: {pkey!r} is {type(pval).__name__}; {PLAIN_HELP}")
-    messages = _messages(loc, pval, pkey, help_)
+    messages = _messages(loc, pval, pkey)
+    canon = _canonical(messages)
     # answer
     akey = keys["answer"] or ("reward_model.ground_truth" if schema == "verl" else "answer")
-    answer = _answer(loc, _get(row, akey), akey, help_)
+    answer, converted = _answer(loc, _get(row, akey), akey, help_)
     # id: explicit column if configured (then required) or a plain 'id' column if present
     ikey = keys["id"] or ("id" if schema == "plain" else None)
-    has_id = False
-    pid = prompt_id(messages)
+    pid: str | None = None
     if ikey is not None:
         v = _get(row, ikey)
         if v is _MISSING or v is None:
@@ -207,7 +214,10 @@ def _parse_row(loc: str, row: Any, schema: str, keys: dict[str, str | None], def
         elif isinstance(v, bool) or not isinstance(v, (str, int)) or not str(v).strip():
             raise DatasetError(f"{loc}: id {ikey!r} is {v!r:.60}; expected a non-empty string or an int")
         else:
-            pid, has_id = str(v), True
+            pid = str(v)
+    has_id = pid is not None
+    if pid is None:
+        pid = _id_of(canon)
     # solution
     skey = keys["solution"] or ("solution" if schema == "plain" else None)
     solution = _optional_str(loc, row, skey) if skey else None
@@ -221,7 +231,8 @@ def _parse_row(loc: str, row: Any, schema: str, keys: dict[str, str | None], def
         if src is not _MISSING and src is not None and not isinstance(src, str):
             raise DatasetError(f"{loc}: 'data_source' is {type(src).__name__}; expected a string")
         source = src if isinstance(src, str) and src else default_source
-    return Problem(id=pid, messages=messages, answer=answer, solution=solution, data_source=source), has_id
+    prob = Problem(id=pid, messages=messages, answer=answer, solution=solution, data_source=source)
+    return prob, has_id, converted, canon
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -253,20 +264,16 @@ def load_problems(path: str | Path, *, schema: str = "auto", prompt_key: str | N
     keys = {"prompt": prompt_key, "answer": answer_key, "id": id_key, "solution": solution_key}
 
     problems: list[Problem] = []
-    first_loc: dict[str, str] = {}  # prompt key -> location of its first row
-    index_of: dict[str, int] = {}  # prompt key -> index in problems (dedupe)
+    first: dict[str, tuple[int, str]] = {}  # prompt key -> (index in problems, location of its first row)
     id_owner: dict[str, tuple[str, str]] = {}  # explicit id -> (content key, location)
     converted = 0
     for loc, row in reader(path):
-        if schema == "auto" and not problems and not first_loc:
+        if schema == "auto":  # first row only: detection replaces "auto" (or raises)
             if not isinstance(row, dict):
                 raise DatasetError(f"{loc}: row is {type(row).__name__}; expected a JSON object")
             schema = _detect_schema(loc, row, prompt_key)
-        prob, has_id = _parse_row(loc, row, schema, keys, path.stem, data_source)
-        if isinstance(_get(row, keys["answer"] or ("reward_model.ground_truth" if schema == "verl"
-                                                   else "answer")), (int, float)):
-            converted += 1
-        pkey = json.dumps(prob.messages, sort_keys=True, ensure_ascii=False)
+        prob, has_id, numeric, pkey = _parse_row(loc, row, schema, keys, path.stem, data_source)
+        converted += numeric
         content = pkey + "\x00" + prob.answer
         if has_id:
             prev = id_owner.get(prob.id)
@@ -274,23 +281,22 @@ def load_problems(path: str | Path, *, schema: str = "auto", prompt_key: str | N
                 raise DatasetError(f"{loc}: id {prob.id!r} was already used by {prev[1]} for a different "
                                    f"prompt or answer; ids must be unique")
             id_owner.setdefault(prob.id, (content, loc))
-        if pkey in first_loc:
-            j = index_of[pkey]
+        if pkey in first:
+            j, first_loc = first[pkey]
             if problems[j].answer != prob.answer:
-                raise DatasetError(f"{loc}: same prompt as {first_loc[pkey]} but a different answer "
+                raise DatasetError(f"{loc}: same prompt as {first_loc} but a different answer "
                                    f"({prob.answer!r} vs {problems[j].answer!r})")
             if dedupe:
                 old = problems[j]
                 if prob.solution is not None and old.solution is not None and prob.solution != old.solution:
                     log.warning("%s: duplicate of %s with a different solution; keeping the first",
-                                loc, first_loc[pkey])
+                                loc, first_loc)
                 problems[j] = Problem(id=old.id, messages=old.messages, answer=old.answer,
                                       solution=old.solution if old.solution is not None else prob.solution,
                                       data_source=old.data_source, copies=old.copies + 1)
                 continue
         else:
-            first_loc[pkey] = loc
-            index_of[pkey] = len(problems)
+            first[pkey] = (len(problems), loc)
         problems.append(prob)
     if not problems:
         raise DatasetError(f"{path}: no rows")
