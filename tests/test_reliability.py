@@ -97,7 +97,8 @@ def test_disk_full_during_checkpoint(tiny_config, monkeypatch):
     def full(*a, **k):
         raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
 
-    monkeypatch.setattr(ckpt, "atomic_write_json", full)  # the manifest write: everything else is in tmp
+    # the fsync of the finished temp dir (manifest included), where a full disk surfaces last before the rename
+    monkeypatch.setattr(ckpt, "_fsync_tree", full)
     with pytest.raises(CheckpointError, match=r"could not write checkpoint .*step_000001: No space left on device"):
         tr.train()
     root = tr.ckpt_dir
@@ -113,14 +114,22 @@ def test_corrupt_metrics_file_is_reported_on_resume(tiny_config, tmp_path):
         Trainer(tiny_config(*SMALL[:-1], "train.save_every=1"), resume=True)
 
 
-def test_torn_last_metrics_line_is_dropped_on_resume(tiny_config, caplog):
+def test_torn_last_metrics_line_is_dropped_on_resume(tiny_config):
     tr = Trainer(tiny_config(*SMALL[:-1], "train.save_every=1"))
-    tr.save()
-    (tr.run_dir / "metrics.jsonl").write_text('{"step": 1, "x": 1}\n{"step": 0, "x"')  # kill mid-append
-    (tr.run_dir / "eval.jsonl").write_text('{"step": 0, "tag": "base"}\n{"step": 0, "tag": "final"}\n')
-    Trainer(tiny_config(*SMALL[:-1], "train.save_every=1"), resume=True)
-    assert read_jsonl(tr.run_dir / "metrics.jsonl") == []  # resumed at step 0: step 1 is redone
-    assert read_jsonl(tr.run_dir / "eval.jsonl") == [{"step": 0, "tag": "base"}]
+    tr.state["step"] = 2
+    assert tr.save().name == "step_000002"  # resume point: rows up to step 2 are kept, later ones dropped
+    rows = [{"step": 1, "x": 1}, {"step": 2, "x": 2}, {"step": 3, "x": 3}]
+    metrics = tr.run_dir / "metrics.jsonl"
+    metrics.write_text("".join(json.dumps(r) + "\n" for r in rows) + '{"step": 2, "x"')  # kill mid-append
+    assert read_jsonl(metrics) == rows  # ignored on read
+    (tr.run_dir / "eval.jsonl").write_text('{"step": 0, "tag": "base"}\n{"step": 2, "tag": "periodic"}\n'
+                                           '{"step": 2, "tag": "final"}\n{"step": 3, "tag": "periodic"}\n')
+    resumed = Trainer(tiny_config(*SMALL[:-1], "train.save_every=1"), resume=True)
+    assert resumed.state["step"] == 2
+    text = metrics.read_text()  # dropped on resume: whole rows only, each newline-terminated
+    assert text.endswith("\n") and [json.loads(line) for line in text.splitlines()] == rows[:2], text
+    assert read_jsonl(metrics) == rows[:2]
+    assert read_jsonl(tr.run_dir / "eval.jsonl") == [{"step": 0, "tag": "base"}, {"step": 2, "tag": "periodic"}]
 
 
 def test_resume_without_checkpoint_starts_fresh(tiny_config, caplog):
@@ -239,11 +248,8 @@ def test_model_directory_code_is_never_imported(tmp_path):
     cfg = json.loads((d / "config.json").read_text())
     cfg["auto_map"] = {"AutoModelForCausalLM": "evil_code.Evil"}
     (d / "config.json").write_text(json.dumps(cfg))
-    try:
-        model, _ = load_model(str(d))
-        assert type(model).__name__ == "Qwen2ForCausalLM"
-    except ModelLoadError:
-        pass  # refusing is fine too; running the code is not
+    model, _ = load_model(str(d))  # trust_remote_code=False: auto_map is ignored and the directory loads
+    assert type(model).__name__ == "Qwen2ForCausalLM"
     assert not (tmp_path / "ran").exists()
 
 

@@ -20,10 +20,10 @@ def group_advantages(rewards: Tensor, group_size: int, estimator: str = "grpo", 
         raise ValueError(f"unknown advantage estimator {estimator!r}; valid: {', '.join(ESTIMATORS)}")
     if rewards.numel() % group_size:
         raise ValueError(f"{rewards.numel()} rewards do not split into groups of {group_size}")
-    r = rewards.float().view(-1, group_size)
-    centred = r - r.mean(-1, keepdim=True)
     if group_size == 1:
         return torch.zeros_like(rewards, dtype=torch.float32)
+    r = rewards.float().view(-1, group_size)
+    centred = r - r.mean(-1, keepdim=True)
     if estimator == "grpo":
         adv = centred / (r.std(-1, keepdim=True) + eps)
     elif estimator == "dr_grpo":

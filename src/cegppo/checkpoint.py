@@ -19,7 +19,7 @@ from typing import Any
 import torch
 
 from cegppo.faults import failpoint
-from cegppo.io import atomic_write_json, fsync_dir
+from cegppo.io import fsync_dir, one_line, replace_dir
 
 log = logging.getLogger(__name__)
 MANIFEST = "manifest.json"
@@ -38,12 +38,18 @@ def _sha256(path: Path) -> str:
 
 
 def _fsync_tree(root: Path) -> None:
-    for p in sorted(root.rglob("*")):
+    paths = sorted(root.rglob("*"))
+    for p in paths:
         if p.is_file():
             with open(p, "rb+") as f:
                 os.fsync(f.fileno())
-    for d in sorted({p.parent for p in root.rglob("*")} | {root}):
+    for d in sorted({p.parent for p in paths} | {root}):
         fsync_dir(d)
+
+
+def step_dir(ckpt_root: Path, step: int) -> Path:
+    """Where the checkpoint of ``step`` lives."""
+    return ckpt_root / f"step_{step:06d}"
 
 
 def save_checkpoint(
@@ -51,8 +57,8 @@ def save_checkpoint(
     scheduler: Any, state: dict, keep: int = 2,
 ) -> Path:
     """Write ``step_<step>`` atomically; prune to the newest ``keep`` valid checkpoints."""
-    final = ckpt_root / f"step_{step:06d}"
-    tmp = ckpt_root / f".tmp-step_{step:06d}-{os.getpid()}"
+    final = step_dir(ckpt_root, step)
+    tmp = ckpt_root / f".tmp-{final.name}-{os.getpid()}"
     try:
         ckpt_root.mkdir(parents=True, exist_ok=True)
         for stale in stale_temp_dirs(ckpt_root):  # left by a process killed mid-write; one writer per run
@@ -70,18 +76,15 @@ def save_checkpoint(
             "step": step,
             "files": {str(p.relative_to(tmp)): {"bytes": p.stat().st_size, "sha256": _sha256(p)} for p in files},
         }
-        atomic_write_json(tmp / MANIFEST, manifest)
+        (tmp / MANIFEST).write_text(json.dumps(manifest, indent=2, sort_keys=True) + "\n")  # fsynced below
         _fsync_tree(tmp)
-        if final.exists():  # a previous, possibly broken, checkpoint of the same step
-            shutil.rmtree(final)
-        os.replace(tmp, final)
+        replace_dir(tmp, final)  # over a previous, possibly broken, checkpoint of the same step
         fsync_dir(ckpt_root)
         failpoint("checkpoint-renamed", step)
     except Exception as e:  # OSError (disk full, permissions) or a serializer's own error type
         shutil.rmtree(tmp, ignore_errors=True)
         reason = e.strerror if isinstance(e, OSError) and e.strerror else f"{type(e).__name__}: {e}"
-        reason = " ".join(str(reason).split())[:300]
-        raise CheckpointError(f"could not write checkpoint {final}: {reason} (older checkpoints are kept)") from e
+        raise CheckpointError(f"could not write checkpoint {final}: {one_line(reason)} (older checkpoints are kept)") from e
     for old in list_checkpoints(ckpt_root)[:-keep]:
         shutil.rmtree(old, ignore_errors=True)
     return final
@@ -157,7 +160,7 @@ def load_training_state(path: Path, optimizer: torch.optim.Optimizer, scheduler:
         state = json.loads((path / "trainer_state.json").read_text())
     except (ValueError, KeyError, TypeError, OSError) as e:
         raise CheckpointError(f"{path}: optimizer/scheduler/trainer state does not fit this run "
-                              f"({type(e).__name__}: {' '.join(str(e).split())[:200]})") from None
+                              f"({type(e).__name__}: {one_line(e, 200)})") from None
     if not isinstance(state, dict) or not isinstance(state.get("step"), int):
         raise CheckpointError(f"{path / 'trainer_state.json'}: expected an object with an integer 'step'")
     return state

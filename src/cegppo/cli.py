@@ -11,6 +11,8 @@ import time
 from importlib import resources
 from pathlib import Path
 
+from cegppo.io import atomic_write_text, one_line, read_jsonl
+
 log = logging.getLogger("cegppo")
 
 
@@ -44,27 +46,24 @@ def run_training(cfg, resume: bool = False) -> dict:
     t0 = time.perf_counter()
     trainer = Trainer(cfg, resume=resume)
     evals = {}
-    if not trainer.state.get("warm_started"):
+
+    def held_out(tag: str, label: str) -> None:
         if trainer.test_problems:
-            evals["base"] = trainer.log_eval("base", trainer.evaluate())["accuracy"]
-            log.info("held-out accuracy, base model: %.3f", evals["base"])
+            evals[tag] = trainer.log_eval(tag, trainer.evaluate())["accuracy"]
+            log.info("held-out accuracy %s: %.3f", label, evals[tag])
+
+    if not trainer.state.get("warm_started"):
+        held_out("base", "of the base model")
         if cfg.sft.steps:
-            supervised_warmup(trainer.model, trainer.tokenizer, trainer.train_problems, cfg.sft.steps, cfg.sft.batch_size,
-                              cfg.sft.lr, cfg.sft.warmup_steps, cfg.train.seed,
-                              autocast=cfg.model.precision == "bf16-autocast", progress=cfg.logging.progress)
+            supervised_warmup(trainer.model, trainer.tokenizer, trainer.train_problems, cfg.sft, seed=cfg.train.seed,
+                              precision=cfg.model.precision, progress=cfg.logging.progress)
             trainer.engine.sync(trainer.model)
-            if trainer.test_problems:
-                evals["warm-start"] = trainer.log_eval("warm-start", trainer.evaluate())["accuracy"]
-                log.info("held-out accuracy after warm-start: %.3f", evals["warm-start"])
+            held_out("warm-start", "after warm-start")
         trainer.state["warm_started"] = True
         if cfg.train.save_every:
             trainer.save()  # step 0: a resume never repeats the warm-start
     rows = trainer.train()
-    if trainer.test_problems:
-        evals["final"] = trainer.log_eval("final", trainer.evaluate())["accuracy"]
-        log.info("held-out accuracy after RL: %.3f", evals["final"])
-    from cegppo.io import read_jsonl
-
+    held_out("final", "after RL")
     entropies = [r["entropy"] for r in read_jsonl(trainer.metrics_path) if "entropy" in r]  # steps with an update
     summary = {
         "steps": trainer.state["step"],
@@ -100,8 +99,8 @@ def cmd_sft(args) -> int:
     model, tok = load_model(cfg.model.name)
     train, _ = load_splits(cfg)
     steps = cfg.sft.steps or 40
-    losses = supervised_warmup(model, tok, train, steps, cfg.sft.batch_size, cfg.sft.lr, cfg.sft.warmup_steps,
-                               cfg.train.seed, autocast=cfg.model.precision == "bf16-autocast")
+    losses = supervised_warmup(model, tok, train, cfg.sft, steps=steps, seed=cfg.train.seed,
+                               precision=cfg.model.precision)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(out, safe_serialization=True)
@@ -113,7 +112,6 @@ def cmd_sft(args) -> int:
 def cmd_eval(args) -> int:
     from cegppo.data import load_problems
     from cegppo.evaluation import evaluate
-    from cegppo.io import atomic_write_text
     from cegppo.models import load_model
     from cegppo.rewards import load_reward
     from cegppo.rollout import HFRollout, Sampling
@@ -129,7 +127,7 @@ def cmd_eval(args) -> int:
         problems += loaded[: args.num_problems] if args.num_problems else loaded
     import torch
 
-    engine = HFRollout(model, tok, args.max_prompt_tokens, dtype=getattr(torch, args.dtype))
+    engine = HFRollout(model, tok, args.max_prompt_tokens, dtype=getattr(torch, args.dtype), copy=False)
     try:
         reward = load_reward(args.reward)
     except ValueError as e:
@@ -202,10 +200,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    if not argv:
-        argv = ["train"]  # `cegppo` alone runs the quickstart too
     args = build_parser().parse_args(argv)
-    if args.command is None:
+    if args.command is None:  # `cegppo` alone runs the quickstart too
         args = build_parser().parse_args(["train"])
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     from cegppo.config import ConfigError
@@ -217,8 +213,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return args.fn(args)
     except (ConfigError, DatasetError, ModelLoadError, TrainingError, CheckpointError, FileNotFoundError) as e:
-        msg = " ".join(str(e).split())  # always one line, whatever the exception's own formatting
-        print(f"cegppo {args.command}: error: {msg}", file=sys.stderr)
+        # always one line, whatever the exception's own formatting
+        print(f"cegppo {args.command}: error: {one_line(e, limit=10_000)}", file=sys.stderr)
         return 2
 
 

@@ -22,13 +22,14 @@ def compare_runs(runs: list[Path], out: Path) -> list[Path]:
     out.mkdir(parents=True, exist_ok=True)
     plt = _plt()
     data = {r: read_jsonl(r / "metrics.jsonl") for r in runs}
+    evals = {r: _eval_series(r) for r in runs}
     labels = {r: run_label(r) for r in runs}
     written = []
 
     def draw(ax, key: str, title: str) -> bool:
         any_data = False
         for r in runs:
-            xs, ys = _eval_series(r) if key == "val/accuracy" else _series(data[r], key)
+            xs, ys = evals[r] if key == "val/accuracy" else _series(data[r], key)
             if xs:
                 any_data = True
                 ax.plot(xs, ys, marker="o" if key == "val/accuracy" else None, ms=3, label=labels[r])
@@ -55,17 +56,17 @@ def compare_runs(runs: list[Path], out: Path) -> list[Path]:
             ax.legend(fontsize=8)
             written.append(_save(fig, out / (key.replace("/", "_") + ".png")))
         plt.close(fig)
-    written.append(summary_table(runs, data, labels, out / "summary.md"))
+    written.append(summary_table(runs, data, evals, labels, out / "summary.md"))
     return written
 
 
-def summary_table(runs: list[Path], data: dict, labels: dict, path: Path) -> Path:
+def summary_table(runs: list[Path], data: dict, evals: dict, labels: dict, path: Path) -> Path:
     def last(rows, key):
-        vals = [r[key] for r in rows if isinstance(r.get(key), (int, float))]
+        vals = _series(rows, key)[1]
         return vals[-1] if vals else None
 
     def mean(rows, key):
-        vals = [r[key] for r in rows if isinstance(r.get(key), (int, float))]
+        vals = _series(rows, key)[1]
         return sum(vals) / len(vals) if vals else None
 
     def fmt(v):
@@ -78,8 +79,9 @@ def summary_table(runs: list[Path], data: dict, labels: dict, path: Path) -> Pat
     ]
     for r in runs:
         rows = data[r]
-        _, accs = _eval_series(r)
-        first_h = next((x["entropy"] for x in rows if "entropy" in x), None)
+        accs = evals[r][1]
+        entropies = _series(rows, "entropy")[1]
+        first_h = entropies[0] if entropies else None
         lines.append(
             f"| {labels[r]} | {len(rows)} | {fmt(first_h)} -> {fmt(last(rows, 'entropy'))} | {fmt(last(rows, 'reward/mean'))} "
             f"| {fmt(accs[0] if accs else None)} -> {fmt(accs[-1] if accs else None)} | {fmt(mean(rows, 'clip/low_frac'))} "

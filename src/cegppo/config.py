@@ -14,6 +14,8 @@ from typing import Any
 
 import yaml
 
+from cegppo.io import atomic_write_text
+
 
 class ConfigError(ValueError):
     """A configuration problem, with the key (and file) it concerns."""
@@ -337,6 +339,4 @@ def validate(cfg: Config) -> None:
 
 
 def save_config(cfg: Config, path: Path) -> None:
-    from cegppo.io import atomic_write_text
-
     atomic_write_text(path, yaml.safe_dump(cfg.to_dict(), sort_keys=False))

@@ -33,18 +33,26 @@ if TYPE_CHECKING:
 QUADRANTS = ("PA_HP", "PA_LP", "NA_HP", "NA_LP")
 
 
+def metric_weight(name: str, metrics: dict[str, Tensor], n_tokens: Tensor) -> Tensor:
+    """Weight of one batch's value of metric ``name`` when averaging it over batches (micro-batches, processes):
+    its token count, except a quadrant's mean entropy, which counts the tokens of that quadrant only."""
+    if name.startswith("quadrant/") and name.endswith("/entropy"):
+        return n_tokens * metrics[name.replace("/entropy", "/frac")]
+    return n_tokens
+
+
 def region_sums(
     log_prob: Tensor,
     old_log_prob: Tensor,
     adv: Tensor,
     mask: Tensor,
-    eps_low: float | None,
-    eps_high: float | None,
+    eps_low: float,
+    eps_high: float,
     clip_ratio_c: float | None,
     sequence_level: bool = False,
 ) -> dict[str, Tensor]:
     """Masked *sums* behind :func:`region_metrics` (pure tensor code, so it fuses under torch.compile)."""
-    from cegppo.objectives import LOG_RATIO_CLAMP
+    from cegppo.objectives import LOG_RATIO_CLAMP, clip_masks
 
     m = mask.to(log_prob.dtype)
     log_ratio = (log_prob - old_log_prob).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
@@ -52,14 +60,10 @@ def region_sums(
     if sequence_level:  # GSPO clips whole sequences
         seq = (log_ratio * m).sum(-1, keepdim=True) / m.sum(-1, keepdim=True).clamp(min=1.0)
         ratio = seq.exp().expand_as(log_prob)
-    zero = (m * 0).sum()
-    out = {"clip/low_frac": zero, "clip/high_frac": zero, "clip/dual_frac": zero}
-    if eps_low is not None:
-        out["clip/low_frac"] = (((adv < 0) & (ratio < 1 - eps_low)).to(m.dtype) * m).sum()
-    if eps_high is not None:
-        out["clip/high_frac"] = (((adv > 0) & (ratio > 1 + eps_high)).to(m.dtype) * m).sum()
-    if clip_ratio_c is not None:
-        out["clip/dual_frac"] = (((adv < 0) & (ratio > clip_ratio_c)).to(m.dtype) * m).sum()
+    low, high = clip_masks(ratio, adv, eps_low, eps_high)
+    dual = (adv < 0) & (ratio > clip_ratio_c) if clip_ratio_c is not None else torch.zeros_like(low)
+    out = {name: (region.to(m.dtype) * m).sum()
+           for name, region in (("clip/low_frac", low), ("clip/high_frac", high), ("clip/dual_frac", dual))}
     out["ppo_kl"] = (-log_ratio * m).sum()
     out["ratio/mean"] = (ratio * m).sum()
     return out

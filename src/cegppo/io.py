@@ -1,11 +1,25 @@
-"""Crash-safe file writes: a reader never sees a half-written file."""
+"""Crash-safe file writes (a reader never sees a half-written file or directory), the cache root, and
+one-line error text."""
 
 from __future__ import annotations
 
 import json
 import os
+import shutil
+import time
 from pathlib import Path
 from typing import Any
+
+
+def cache_root() -> Path:
+    """`$CEGPPO_CACHE`, else `~/.cache/cegppo`: converted models and built kernels."""
+    env = os.environ.get("CEGPPO_CACHE")
+    return Path(env).expanduser() if env else Path.home() / ".cache" / "cegppo"
+
+
+def one_line(text: object, limit: int = 300) -> str:
+    """``text`` with all whitespace runs collapsed, cut to ``limit`` characters (for one-line error messages)."""
+    return " ".join(str(text).split())[:limit]
 
 
 def fsync_dir(path: Path) -> None:
@@ -30,6 +44,16 @@ def atomic_write_bytes(path: str | Path, data: bytes) -> None:
         if tmp.exists():
             tmp.unlink()
     fsync_dir(path.parent)
+
+
+def replace_dir(tmp: Path, target: Path) -> None:
+    """Move a fully written directory ``tmp`` into place. An existing ``target`` is first renamed aside and
+    then deleted (a directory cannot be renamed onto a non-empty one), so ``target`` is never half-deleted."""
+    if target.exists():
+        stale = target.parent / f".stale-{target.name}-{os.getpid()}-{time.time_ns()}"
+        os.replace(target, stale)
+        shutil.rmtree(stale, ignore_errors=True)
+    os.replace(tmp, target)
 
 
 def atomic_write_text(path: str | Path, text: str) -> None:

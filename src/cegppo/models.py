@@ -17,9 +17,10 @@ import os
 import shutil
 import string
 import tempfile
-import time
 from pathlib import Path
 from typing import Any, Iterator
+
+from cegppo.io import cache_root, one_line, replace_dir
 
 log = logging.getLogger(__name__)
 
@@ -65,12 +66,6 @@ class ModelLoadError(RuntimeError):
 # cache helpers
 
 
-def cache_root() -> Path:
-    """`$CEGPPO_CACHE`, else `~/.cache/cegppo`."""
-    env = os.environ.get("CEGPPO_CACHE")
-    return Path(env).expanduser() if env else Path.home() / ".cache" / "cegppo"
-
-
 def _read_manifest(d: Path) -> dict | None:
     try:
         return json.loads((d / MANIFEST).read_text())
@@ -90,22 +85,6 @@ def _dir_lock(target: Path) -> Iterator[None]:
             fcntl.flock(fh, fcntl.LOCK_UN)
 
 
-def _publish(tmp: Path, target: Path) -> None:
-    """Move a fully written tmp dir into place. A stale target is moved aside first (rename of a
-    directory onto a non-empty directory is not possible), so readers never see a half-written dir."""
-    if target.exists():
-        stale = target.parent / f".stale-{target.name}-{os.getpid()}-{time.time_ns()}"
-        os.replace(target, stale)
-        shutil.rmtree(stale, ignore_errors=True)
-    os.replace(tmp, target)
-
-
-def _atomic_write_text(path: Path, text: str) -> None:
-    tmp = path.with_name(path.name + f".tmp-{os.getpid()}")
-    tmp.write_text(text)
-    os.replace(tmp, path)
-
-
 def _build_cached(target: Path, expected: dict, build: Any) -> Path:
     """Return `target` if its manifest matches `expected`, else build into a temp dir and publish."""
     if _manifest_matches(target, expected):
@@ -117,9 +96,10 @@ def _build_cached(target: Path, expected: dict, build: Any) -> Path:
         os.chmod(tmp, 0o755)  # mkdtemp makes it 0700; the published cache dir should be readable
         try:
             build(tmp)
-            # The manifest is written last: its presence marks a complete build.
-            _atomic_write_text(tmp / MANIFEST, json.dumps(expected, indent=2, sort_keys=True))
-            _publish(tmp, target)
+            # The manifest is written last: its presence marks a complete build (tmp is private until
+            # replace_dir renames it into place, so a plain write is enough).
+            (tmp / MANIFEST).write_text(json.dumps(expected, indent=2, sort_keys=True))
+            replace_dir(tmp, target)
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
     return target
@@ -220,9 +200,12 @@ def _smollm2_dir() -> Path:
     gguf_path = smollm2_gguf_path()
     expected = {"preset": SMOLLM2, "conversion_version": SMOLLM2_CONVERSION_VERSION, **_fingerprint(gguf_path)}
     target = cache_root() / "models" / SMOLLM2
-    if not _manifest_matches(target, expected):
+
+    def convert(tmp: Path) -> None:
         log.info("converting %s into %s (one-time, ~15 s)", gguf_path, target)
-    return _build_cached(target, expected, lambda tmp: convert_smollm2(gguf_path, tmp))
+        convert_smollm2(gguf_path, tmp)
+
+    return _build_cached(target, expected, convert)
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -303,8 +286,14 @@ def _looks_like_path(name: str) -> bool:
     return name.startswith(("/", ".", "~")) or name.count("/") > 1 or name.endswith("/")
 
 
-def _one_line(e: BaseException, limit: int = 300) -> str:
-    return " ".join(str(e).split())[:limit]
+def autocast(precision: str, model: Any) -> contextlib.AbstractContextManager:
+    """bf16 autocast on the model's device for ``model.precision = bf16-autocast`` (fp32 master weights, bf16
+    matmuls), a no-op for ``fp32``. Every forward pass of training and warm-start goes through this."""
+    import torch
+
+    if precision == "bf16-autocast":
+        return torch.autocast(next(model.parameters()).device.type, dtype=torch.bfloat16)
+    return contextlib.nullcontext()
 
 
 def _torch_dtype(dtype: str) -> Any:
@@ -369,10 +358,10 @@ def load_model(name_or_path: str, *, dtype: str = "float32", device: str = "cpu"
         if kind.startswith("hub"):
             raise ModelLoadError(
                 f"{kind} is not in the local Hugging Face cache and the hub is not reachable from here "
-                f"(loading with local_files_only=True failed: {type(e).__name__}: {_one_line(e)}). "
+                f"(loading with local_files_only=True failed: {type(e).__name__}: {one_line(e)}). "
                 f"Download it elsewhere and pass its local directory, or use a preset: {', '.join(PRESETS)}"
             ) from e
-        raise ModelLoadError(f"could not load {kind}: {type(e).__name__}: {_one_line(e)}") from e
+        raise ModelLoadError(f"could not load {kind}: {type(e).__name__}: {one_line(e)}") from e
 
     if not getattr(tok, "chat_template", None):
         raise ModelLoadError(f"the tokenizer of {kind} has no chat template; prompts are built with "

@@ -93,11 +93,16 @@ def _broadcast_advantages(advantages: Tensor, like: Tensor) -> Tensor:
 Terms = tuple[Tensor, Tensor]
 
 
+def clip_masks(ratio: Tensor, adv: Tensor, eps_low: float, eps_high: float) -> tuple[Tensor, Tensor]:
+    """The two regions PPO clips: ``low`` = A < 0 and r < 1 - eps_low (the beta1 region), ``high`` = A > 0 and
+    r > 1 + eps_high (the beta2 region). ``ratio`` is per token, or GSPO's per-sequence ratio."""
+    return (adv < 0) & (ratio < 1.0 - eps_low), (adv > 0) & (ratio > 1.0 + eps_high)
+
+
 def clip_regions(log_prob: Tensor, old_log_prob: Tensor, adv: Tensor, eps_low: float, eps_high: float):
-    """ratio = pi / pi_old (log-ratio clamped before exp), and the two regions PPO clips:
-    ``low`` = A < 0 and r < 1 - eps_low (the beta1 region), ``high`` = A > 0 and r > 1 + eps_high (beta2)."""
+    """ratio = pi / pi_old (log-ratio clamped before exp), and its :func:`clip_masks`."""
     ratio = (log_prob - old_log_prob).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP).exp()
-    return ratio, (adv < 0) & (ratio < 1.0 - eps_low), (adv > 0) & (ratio > 1.0 + eps_high)
+    return ratio, *clip_masks(ratio, adv, eps_low, eps_high)
 
 
 def ce_gppo(
@@ -192,8 +197,7 @@ def gspo(
     m = mask.to(log_prob.dtype)
     seq_log_ratio = ((log_prob - old_log_prob) * m).sum(-1, keepdim=True) / m.sum(-1, keepdim=True).clamp(min=1.0)
     s = seq_log_ratio.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP).exp().expand_as(log_prob)
-    low = (adv < 0) & (s < 1.0 - eps_low)
-    high = (adv > 0) & (s > 1.0 + eps_high)
+    low, high = clip_masks(s, adv, eps_low, eps_high)
     value = torch.where(low, 1.0 - eps_low, torch.where(high, 1.0 + eps_high, s))
     grad = torch.where(low | high, 0.0, s)
     return -adv * value, -adv * grad
@@ -251,7 +255,7 @@ class _Spec:
     doc: str = ""
     # For the clipped-surrogate family: hyperparameters -> ((value, grad weight) in the low region,
     # (value, grad weight) in the high region), i.e. ``fn``'s table, for the fused CPU kernel (cegppo.kernels).
-    clip_regions: Callable[..., tuple[tuple[float, float], tuple[float, float]]] | None = None
+    region_constants: Callable[..., tuple[tuple[float, float], tuple[float, float]]] | None = None
 
 
 def _ce_gppo_regions(eps_low: float, eps_high: float, beta1: float, beta2: float, **_: Any):
@@ -264,15 +268,15 @@ def _ppo_clip_regions(eps_low: float, eps_high: float, **_: Any):
 
 OBJECTIVES: dict[str, _Spec] = {
     "ce_gppo": _Spec(ce_gppo, dict(eps_low=0.2, eps_high=0.2, beta1=0.75, beta2=1.0, clip_ratio_c=10.0),
-                     doc="CE-GPPO; defaults are the authors' 7B script", clip_regions=_ce_gppo_regions),
+                     doc="CE-GPPO; defaults are the authors' 7B script", region_constants=_ce_gppo_regions),
     "gppo": _Spec(ce_gppo, dict(eps_low=0.2, eps_high=0.2, beta1=1.0, beta2=1.0, clip_ratio_c=10.0),
-                  doc="GPPO (Klear-Reasoner) = CE-GPPO with beta1 = beta2 = 1", clip_regions=_ce_gppo_regions),
+                  doc="GPPO (Klear-Reasoner) = CE-GPPO with beta1 = beta2 = 1", region_constants=_ce_gppo_regions),
     "ppo_clip": _Spec(ppo_clip, dict(eps_low=0.2, eps_high=0.2, clip_ratio_c=None), doc="PPO clipped surrogate",
-                      clip_regions=_ppo_clip_regions),
+                      region_constants=_ppo_clip_regions),
     "grpo": _Spec(ppo_clip, dict(eps_low=0.2, eps_high=0.2, clip_ratio_c=None), doc="ppo_clip with eps 0.2/0.2",
-                  clip_regions=_ppo_clip_regions),
+                  region_constants=_ppo_clip_regions),
     "dapo": _Spec(ppo_clip, dict(eps_low=0.2, eps_high=0.28, clip_ratio_c=None), doc="ppo_clip, clip-higher 0.28",
-                  clip_regions=_ppo_clip_regions),
+                  region_constants=_ppo_clip_regions),
     "cispo": _Spec(cispo, dict(eps_low=0.2, eps_high=0.28), doc="CISPO, two-sided clamp"),
     "gspo": _Spec(gspo, dict(eps_low=3e-4, eps_high=4e-4), default_agg="seq-mean-token-mean",
                   doc="GSPO sequence-level ratio"),
@@ -388,7 +392,7 @@ class Objective:
         adv = _broadcast_advantages(advantages, log_prob)
         if self._cpu_kernel_applies(log_prob):
             hp = self.hparams
-            low, high = self.spec.clip_regions(**hp)
+            low, high = self.spec.region_constants(**hp)
             grad, stats = kernels.clip_surrogate(
                 log_prob, old_log_prob, adv, m, float(denom),  # float(): a CPU read, no device sync
                 eps_low=hp["eps_low"], eps_high=hp["eps_high"], low=low, high=high, clip_ratio_c=hp["clip_ratio_c"],
@@ -403,15 +407,15 @@ class Objective:
 
     def _cpu_kernel_applies(self, log_prob: Tensor) -> bool:
         """The hand-fused C kernel covers the clipped family on float32 CPU tensors (cegppo.kernels)."""
-        if self.spec.clip_regions is None or log_prob.device.type != "cpu" or log_prob.dtype != torch.float32:
+        if self.spec.region_constants is None or log_prob.device.type != "cpu" or log_prob.dtype != torch.float32:
             return False
         return kernels.available()
 
     @property
-    def region_bounds(self) -> tuple[float | None, float | None, float | None, bool]:
-        """(eps_low, eps_high, clip_ratio_c, sequence_level) for the region diagnostics; None = no such region."""
+    def region_bounds(self) -> tuple[float, float, float | None, bool]:
+        """(eps_low, eps_high, clip_ratio_c, sequence_level) for the region diagnostics; c None = no dual clip."""
         hp = self.hparams
-        return hp.get("eps_low"), hp.get("eps_high"), hp.get("clip_ratio_c"), self.name == "gspo"
+        return hp["eps_low"], hp["eps_high"], hp.get("clip_ratio_c"), self.name == "gspo"
 
     def gradient_weight(self, log_prob: Tensor, old_log_prob: Tensor, advantages: Tensor, mask: Tensor) -> Tensor:
         """Per-token ``F`` such that d objective / d log pi = F * A (ALGORITHM.md 3.2); 0 where A = 0."""

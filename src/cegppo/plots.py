@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+from io import BytesIO
 from pathlib import Path
 
 from cegppo.diagnostics import QUADRANTS
-from cegppo.io import read_jsonl
+from cegppo.io import atomic_write_bytes, read_jsonl
 
 
 EVAL_TAGS = ("periodic", "final", "warm-start", "base")  # eval.jsonl rows that are held-out accuracy points
@@ -26,10 +27,7 @@ def _series(rows: list[dict], key: str) -> tuple[list[int], list[float]]:
 
 
 def _save(fig, out: Path) -> Path:
-    from cegppo.io import atomic_write_bytes
-    import io
-
-    buf = io.BytesIO()
+    buf = BytesIO()
     fig.savefig(buf, format="png", dpi=110, bbox_inches="tight")
     atomic_write_bytes(out, buf.getvalue())
     return out

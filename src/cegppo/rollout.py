@@ -9,7 +9,7 @@ trained policy, so the engine's precision only changes which samples are drawn.
 
 from __future__ import annotations
 
-import copy
+from copy import deepcopy
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -80,15 +80,15 @@ def response_mask_from(responses: Tensor, eos: list[int]) -> tuple[Tensor, Tenso
 
 
 class HFRollout:
-    """Hugging Face ``generate`` (KV cache, batched, left padding) on a copy of the policy."""
+    """Hugging Face ``generate`` (KV cache, batched, left padding) on a copy of the policy (``copy=False``: on
+    the policy itself, cast in place, for callers that only generate, like ``cegppo eval``)."""
 
     def __init__(self, policy: torch.nn.Module, tokenizer, max_prompt_tokens: int = 512,
-                 dtype: torch.dtype = torch.bfloat16, max_batch: int = 64):
+                 dtype: torch.dtype = torch.bfloat16, max_batch: int = 64, copy: bool = True):
         self.tokenizer = tokenizer
         self.max_prompt_tokens = max_prompt_tokens
         self.max_batch = max_batch
-        self.dtype = dtype
-        self.model = copy.deepcopy(policy).to(dtype).eval()
+        self.model = (deepcopy(policy) if copy else policy).to(dtype).eval()
         self.eos = eos_ids(tokenizer, policy)
 
     @torch.no_grad()

@@ -6,12 +6,12 @@ answers unprompted; the same path serves users who want SFT before RL.
 
 from __future__ import annotations
 
-import contextlib
-
 import torch
 
+from cegppo.config import SFTConfig
 from cegppo.data import Problem
 from cegppo.logprobs import sequence_token_stats
+from cegppo.models import autocast
 from cegppo.objectives import aggregate
 from cegppo.rollout import encode_prompts
 
@@ -37,21 +37,19 @@ def supervised_warmup(
     model: torch.nn.Module,
     tokenizer,
     problems: list[Problem],
-    steps: int,
-    batch_size: int = 16,
-    lr: float = 5e-5,
-    warmup_steps: int = 5,
+    cfg: SFTConfig,
+    steps: int | None = None,
     seed: int = 0,
-    autocast: bool = True,
+    precision: str = "bf16-autocast",
     progress: bool = True,
 ) -> list[float]:
-    """AdamW on the NLL of reference solutions for ``steps`` steps; returns the loss per step."""
+    """AdamW on the NLL of reference solutions for ``steps`` (default ``cfg.steps``) steps; the loss per step."""
+    steps = cfg.steps if steps is None else steps
     if steps <= 0:
         return []
     g = torch.Generator().manual_seed(seed)
-    opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / max(1, warmup_steps)))
-    ctx = (lambda: torch.autocast("cpu", dtype=torch.bfloat16)) if autocast else contextlib.nullcontext
+    opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=0.0)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / max(1, cfg.warmup_steps)))
     model.train()
     losses = []
     it = range(steps)
@@ -60,9 +58,9 @@ def supervised_warmup(
 
         it = tqdm(it, desc="cegppo sft", dynamic_ncols=True)
     for _ in it:
-        idx = torch.randint(len(problems), (batch_size,), generator=g).tolist()
+        idx = torch.randint(len(problems), (cfg.batch_size,), generator=g).tolist()
         input_ids, attention, resp_mask = sft_batch(tokenizer, [problems[i] for i in idx])
-        with ctx():
+        with autocast(precision, model):
             log_prob, _, _ = sequence_token_stats(model, input_ids, attention, resp_mask.shape[1])
         loss = aggregate(-log_prob, resp_mask, "token-mean")
         opt.zero_grad(set_to_none=True)

@@ -5,11 +5,10 @@ everything else here is setup, bookkeeping and I/O.
 
 from __future__ import annotations
 
-import contextlib
+import copy
 import hashlib
 import json
 import logging
-import math
 import os
 import time
 from collections import defaultdict
@@ -23,12 +22,12 @@ from cegppo import checkpoint as ckpt
 from cegppo.advantages import group_advantages, mixed_groups
 from cegppo.config import Config, ConfigError, save_config
 from cegppo.data import Problem, load_problems
-from cegppo.diagnostics import QUADRANTS, quadrant_metrics
+from cegppo.diagnostics import metric_weight, quadrant_metrics
 from cegppo.evaluation import EvalResult, evaluate
 from cegppo.faults import failpoint
-from cegppo.io import append_jsonl, atomic_write_json, read_jsonl
+from cegppo.io import append_jsonl, atomic_write_json, atomic_write_text, read_jsonl
 from cegppo.logprobs import sequence_token_stats
-from cegppo.models import ModelLoadError, load_model
+from cegppo.models import ModelLoadError, autocast, load_model
 from cegppo.objectives import aggregate, get_objective
 from cegppo.rewards import load_reward
 from cegppo.rollout import HFRollout, RolloutBatch, Sampling
@@ -88,9 +87,7 @@ class MetricAccumulator:
 
     def add(self, metrics: dict[str, Tensor], n_tokens: Tensor) -> None:
         for k, v in metrics.items():
-            w = n_tokens
-            if k.startswith("quadrant/") and k.endswith("/entropy"):
-                w = n_tokens * metrics[k.replace("/entropy", "/frac")]
+            w = metric_weight(k, metrics, n_tokens)
             self.sums[k] = self.sums[k] + v.detach() * w
             self.weights[k] = self.weights[k] + w
 
@@ -128,12 +125,13 @@ class Trainer:
             self.model, self.tokenizer = load_model(source, dtype="float32")
         except ModelLoadError as e:
             raise ModelLoadError(f"{'checkpoint ' + source if resume_from else 'model.name'}: {e}") from None
-        if cfg.model.gradient_checkpointing:
-            self.model.gradient_checkpointing_enable()
         self.ref_model = None
         if cfg.algorithm.kl_coeff > 0:  # frozen reference = the starting policy of this run
-            self.ref_model, _ = load_model(cfg.model.name, dtype="float32")
+            # a fresh run starts from cfg.model.name, just loaded: copy it rather than read it again
+            self.ref_model = load_model(cfg.model.name, dtype="float32")[0] if resume_from else copy.deepcopy(self.model)
             self.ref_model.eval().requires_grad_(False)
+        if cfg.model.gradient_checkpointing:
+            self.model.gradient_checkpointing_enable()
         o = cfg.optim
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=o.lr, betas=tuple(o.betas), weight_decay=o.weight_decay)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lr_multiplier(o.warmup_steps))
@@ -169,8 +167,6 @@ class Trainer:
     def _truncate_logs(self, step: int, resumed: bool) -> None:
         """Drop metric and eval rows logged after the checkpoint we resume from (all of them on a fresh start):
         a kill between appending a step's row and writing its checkpoint must not leave that step twice."""
-        from cegppo.io import atomic_write_text
-
         eval_path = self.run_dir / "eval.jsonl"
         for path, keep in ((self.metrics_path, lambda r: r.get("step", 0) <= step),
                            # the final evaluation is redone by the resumed run
@@ -182,11 +178,6 @@ class Trainer:
                 except ValueError as e:
                     raise TrainingError(f"{e}; repair or remove the file to resume") from None
                 atomic_write_text(path, "".join(json.dumps(r, sort_keys=True) + "\n" for r in kept))
-
-    def autocast(self):
-        if self.cfg.model.precision == "bf16-autocast":
-            return torch.autocast("cpu" if not torch.cuda.is_available() else "cuda", dtype=torch.bfloat16)
-        return contextlib.nullcontext()
 
     def sampling(self) -> Sampling:
         r = self.cfg.rollout
@@ -219,9 +210,9 @@ class Trainer:
             rollouts = self.engine.generate([p.messages for p in problems], n, self.sampling())
             failpoint("generation", step)
             graded = self.reward_fn(rollouts.texts, [p.answer for p in problems for _ in range(n)])
-            rewards = torch.tensor(graded.scores, dtype=torch.float32) + self.overlong_penalty(rollouts)
-            correct = torch.tensor(graded.correct)
             lengths = rollouts.response_mask.sum(-1).float()
+            rewards = torch.tensor(graded.scores, dtype=torch.float32) + self.overlong_penalty(lengths)
+            correct = torch.tensor(graded.correct)
             stats["reward/mean"] += rewards.mean().item()
             stats["reward/accuracy"] += correct.float().mean().item()
             stats["reward/failures"] += graded.failures
@@ -265,24 +256,24 @@ class Trainer:
             pw, rw = P - (r.input_ids.shape[1] - r.response_len), T - r.response_len
             ids.append(fit(r.input_ids, pw, rw, pad))
             att.append(fit(r.attention_mask, pw, rw, 0))
-            rmask.append(torch.nn.functional.pad(r.response_mask, (0, rw), value=0))
+            rmask.append(fit(r.response_mask, 0, rw, 0))
             texts += r.texts
             trunc.append(r.truncated)
         rb = RolloutBatch(torch.cat(ids), torch.cat(att), torch.cat(rmask), texts, torch.cat(trunc))
         return Experience(rb, torch.cat([p.rewards for p in parts]), torch.cat([p.correct for p in parts]),
                           torch.cat([p.advantages for p in parts]))
 
-    def overlong_penalty(self, rollouts: RolloutBatch) -> Tensor:
-        """DAPO overlong shaping: ``min(-(len - (L_max - L_buf)) / L_buf * factor, 0)`` (off when L_buf = 0)."""
+    def overlong_penalty(self, length: Tensor) -> Tensor:
+        """DAPO overlong shaping of responses of ``length`` tokens: ``min(-(len - (L_max - L_buf)) / L_buf *
+        factor, 0)`` (off when L_buf = 0)."""
         buf = self.cfg.reward.overlong_buffer
         if buf == 0:
-            return torch.zeros(len(rollouts.texts))
+            return torch.zeros_like(length)
         expected = self.cfg.rollout.max_new_tokens - buf
-        length = rollouts.response_mask.sum(-1).float()
         return torch.clamp(-(length - expected) / buf * self.cfg.reward.overlong_penalty, max=0.0)
 
     def token_stats(self, model: torch.nn.Module, rb: RolloutBatch, rows: Tensor, collision: bool = False):
-        with self.autocast():
+        with autocast(self.cfg.model.precision, model):
             return sequence_token_stats(model, rb.input_ids[rows], rb.attention_mask[rows], rb.response_len,
                                         self.cfg.rollout.temperature, collision)
 
@@ -311,7 +302,7 @@ class Trainer:
         acc, skipped = MetricAccumulator(), 0
         if exp is not None:
             self.model.train()
-            old_lp, old_entropy = self.recompute_log_probs(exp)
+            _, old_entropy = self.recompute_log_probs(exp)
             mask = exp.rollouts.response_mask.float()
             metrics["entropy"] = float((old_entropy * mask).sum() / mask.sum().clamp(min=1))
             rows = torch.arange(len(exp.rewards))
@@ -340,7 +331,8 @@ class Trainer:
                     acc.add({"grad_norm": grad_norm}, torch.tensor(1.0))
         metrics["lr"] = self.optimizer.param_groups[0]["lr"]
         self.scheduler.step()  # once per training step, as the authors' LambdaLR
-        self.engine.sync(self.model)
+        if exp is not None:  # the weights changed: copy them into the rollout engine
+            self.engine.sync(self.model)
         metrics.update(acc.result())
         metrics["train/skipped_updates"] = skipped
         self.state["bad_steps"] = self.state["bad_steps"] + 1 if skipped else 0
@@ -353,10 +345,11 @@ class Trainer:
         a = self.cfg.algorithm
         lp, ent, col = self.token_stats(self.model, exp.rollouts, rows, collision=True)  # col: for quadrant dH
         mask = exp.rollouts.response_mask[rows].float()
+        n_here = mask.sum().clamp(min=1)
         old, adv = exp.old_log_prob[rows], exp.advantages[rows]
         loss, m = self.objective(lp, old, adv, mask, agg=a.agg, num_tokens=n_tok, num_seqs=n_seq)
         m = {k: v for k, v in m.items() if k != "loss"}
-        m["pg_loss"] = loss.detach() * n_tok / mask.sum().clamp(min=1)  # undo the global scaling for logging
+        m["pg_loss"] = loss.detach() * n_tok / n_here  # undo the global scaling for logging
         m.update(quadrant_metrics(self.objective, lp.detach(), old, adv, mask, ent.detach(), col, prob_threshold=a.prob_threshold))
         if a.positive_loss_coeff > 0:  # Klear-Reasoner / authors' scripts: NLL on fully-correct rollouts
             cmask = mask * exp.correct[rows, None]
@@ -367,10 +360,10 @@ class Trainer:
             d = (exp.ref_log_prob[rows] - lp).clamp(-20, 20)
             kl = aggregate(d.exp() - d - 1, mask, a.agg, num_tokens=n_tok, num_seqs=n_seq)
             loss = loss + a.kl_coeff * kl
-            m["kl"] = kl.detach() * n_tok / mask.sum().clamp(min=1)
+            m["kl"] = kl.detach() * n_tok / n_here
         if a.entropy_coeff > 0:
             loss = loss - a.entropy_coeff * aggregate(ent, mask, a.agg, num_tokens=n_tok, num_seqs=n_seq)
-        m["entropy/current"] = (ent.detach() * mask).sum() / mask.sum().clamp(min=1)
+        m["entropy/current"] = aggregate(ent.detach(), mask, "token-mean")
         return loss, m
 
     # ---------------------------------------------------------------------------------------------------
@@ -408,12 +401,12 @@ class Trainer:
                 row["val/accuracy"] = self.log_eval("periodic", self.evaluate())["accuracy"]
             append_jsonl(self.metrics_path, row)
             rows.append(row)
+            scalars = {k: v for k, v in row.items() if isinstance(v, (int, float))}
             if writer is not None:
-                for k, v in row.items():
-                    if isinstance(v, (int, float)):
-                        writer.add_scalar(k, v, step)
+                for k, v in scalars.items():
+                    writer.add_scalar(k, v, step)
             if wandb_run is not None:
-                wandb_run.log({k: v for k, v in row.items() if isinstance(v, (int, float))}, step=step)
+                wandb_run.log(scalars, step=step)
             if bar is not None:
                 bar.update(1)
                 bar.set_postfix(reward=f"{row['reward/mean']:.2f}", acc=f"{row['reward/accuracy']:.2f}",
@@ -430,7 +423,7 @@ class Trainer:
         if bar is not None:
             bar.close()
         saved = ckpt.list_checkpoints(self.ckpt_dir)
-        if cfg.train.save_every and (not saved or saved[-1].name != f"step_{self.state['step']:06d}"):
+        if cfg.train.save_every and (not saved or saved[-1] != ckpt.step_dir(self.ckpt_dir, self.state["step"])):
             self.save()
         return rows
 

@@ -33,13 +33,14 @@ from typing import Any
 import torch
 from trl import GRPOConfig, GRPOTrainer
 
-from cegppo.diagnostics import quadrant_metrics, region_metrics
+from cegppo.diagnostics import metric_weight, quadrant_metrics, region_metrics
 from cegppo.objectives import OBJECTIVES, Objective, aggregate, get_objective
 
 __all__ = ["CEGPPOConfig", "CEGPPOTrainer", "ON_POLICY_WARNING", "TRL_OBJECTIVES", "is_on_policy"]
 
 # token-level clipped objectives whose hyperparameters map onto GRPOConfig's epsilon / epsilon_high
 TRL_OBJECTIVES = ("ce_gppo", "gppo", "ppo_clip")
+_CE_GPPO = OBJECTIVES["ce_gppo"].defaults  # the same defaults as get_objective("ce_gppo") and the verl adapter
 
 ON_POLICY_WARNING = (
     "CEGPPOTrainer: this configuration keeps every update on-policy (num_iterations == 1 and "
@@ -69,9 +70,10 @@ class CEGPPOConfig(GRPOConfig):
     """
 
     objective: str = field(default="ce_gppo", metadata={"help": f"one of {', '.join(TRL_OBJECTIVES)}"})
-    beta1: float = field(default=0.75, metadata={"help": "CE-GPPO beta1 (A < 0, ratio < 1 - epsilon)"})
-    beta2: float = field(default=1.0, metadata={"help": "CE-GPPO beta2 (A > 0, ratio > 1 + epsilon_high)"})
-    clip_ratio_c: float | None = field(default=10.0, metadata={"help": "dual-clip bound for A < 0; None: off"})
+    beta1: float = field(default=_CE_GPPO["beta1"], metadata={"help": "CE-GPPO beta1 (A < 0, ratio < 1 - epsilon)"})
+    beta2: float = field(default=_CE_GPPO["beta2"], metadata={"help": "CE-GPPO beta2 (A > 0, ratio > 1 + epsilon_high)"})
+    clip_ratio_c: float | None = field(default=_CE_GPPO["clip_ratio_c"],
+                                       metadata={"help": "dual-clip bound for A < 0; None: off"})
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -94,7 +96,6 @@ class CEGPPOConfig(GRPOConfig):
         hp: dict[str, Any] = dict(eps_low=self.epsilon, eps_high=eps_high, clip_ratio_c=self.clip_ratio_c)
         if self.objective == "ce_gppo":
             hp.update(beta1=self.beta1, beta2=self.beta2)
-        hp = {k: v for k, v in hp.items() if k in OBJECTIVES[self.objective].defaults}
         return get_objective(self.objective, **hp)
 
 
@@ -221,22 +222,19 @@ class CEGPPOTrainer(GRPOTrainer):
         region = region_metrics(self.objective, per_token_logps, old_per_token_logps, advantages, mask)
         quad = quadrant_metrics(self.objective, per_token_logps, old_per_token_logps, advantages, mask,
                                 entropies.detach())
-        # name -> (local numerator, local denominator); local means are turned back into sums
+        # name -> (local numerator, local denominator); local means are turned back into sums with the same
+        # weights the trainer uses (quadrant dH needs the collision term, which TRL does not compute)
         parts: dict[str, tuple[torch.Tensor, torch.Tensor]] = {"entropy": ((entropies * m).sum(), n)}
         if per_token_kl is not None:
             parts["kl"] = ((per_token_kl * m).sum(), n)
-        for name in ("clip/low_frac", "clip/high_frac", "clip/dual_frac", "ppo_kl", "ratio/mean"):
-            parts[name] = (region[name] * n, n)
+        means = {**region, **{k: v for k, v in quad.items() if k.endswith(("/frac", "/entropy"))}}
+        for name, value in means.items():
+            w = metric_weight(name, means, n)
+            parts[name] = (value * w, w)
         # TRL's names for the same regions, so existing dashboards keep working
         parts["clip_ratio/low_mean"] = parts["clip/low_frac"]
         parts["clip_ratio/high_mean"] = parts["clip/high_frac"]
         parts["clip_ratio/region_mean"] = ((region["clip/low_frac"] + region["clip/high_frac"]) * n, n)
-        for key, value in quad.items():
-            if key.endswith("/frac"):
-                parts[key] = (value * n, n)
-            elif key.endswith("/entropy"):
-                count = quad[key.replace("/entropy", "/frac")] * n
-                parts[key] = (value * count, count)
         names = list(parts)
         local = torch.stack([torch.stack([num.float(), den.float()]) for num, den in parts.values()])
         totals = self.accelerator.reduce(local, reduction="sum")

@@ -54,7 +54,7 @@ try:
     from verl.workers.config import PolicyLossConfig
 
     from cegppo.diagnostics import region_metrics
-    from cegppo.objectives import OBJECTIVES, get_objective
+    from cegppo.objectives import OBJECTIVES, _validate, get_objective
 except Exception as _exc:  # noqa: BLE001 - re-raised below; verl would otherwise hide it at DEBUG level
     _msg = (
         f"cegppo: could not load the verl plugin {__name__} ({type(_exc).__name__}: {_exc}). The 'ce_gppo' and "
@@ -86,10 +86,7 @@ class CEGPPOPolicyLossConfig(PolicyLossConfig):
     beta2: float = _DEFAULT_BETA2
 
     def __post_init__(self) -> None:
-        for key in ("beta1", "beta2"):
-            v = getattr(self, key)
-            if not isinstance(v, (int, float)) or not v >= 0.0 or v == float("inf"):
-                raise ValueError(f"CEGPPOPolicyLossConfig.{key} must be a finite number >= 0, got {v!r}")
+        _validate("CEGPPOPolicyLossConfig", {"beta1": self.beta1, "beta2": self.beta2})  # the objectives' own check
         if self.loss_mode != "ce_gppo" and (self.beta1, self.beta2) != (_DEFAULT_BETA1, _DEFAULT_BETA2):
             warnings.warn(
                 f"CEGPPOPolicyLossConfig: beta1={self.beta1}, beta2={self.beta2} are only used by "

@@ -33,6 +33,8 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
+from cegppo.io import cache_root
+
 SOURCE = Path(__file__).with_name("clip_surrogate.c")
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC")
 # order of clip_surrogate's `out` array
@@ -59,8 +61,6 @@ def _cpu_id() -> str:
 
 def build(cache_dir: Path | None = None) -> Path:
     """Compile the kernel into the cache (atomically; a no-op when already there) and return its path."""
-    from cegppo.models import cache_root
-
     cc = os.environ.get("CC", "cc")
     compiler = shutil.which(cc)
     if compiler is None:
