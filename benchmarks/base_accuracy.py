@@ -11,10 +11,10 @@ import time
 
 import torch
 
-from cegppo.models import load_model, preset_path
-from cegppo.rewards import last_boxed, load_reward
-from cegppo.data import Problem
-from cegppo.tasks import INSTRUCTION, make_task
+from cegppo.engine.models import load_model, preset_path
+from cegppo.data.rewards import last_boxed, load_reward
+from cegppo.data.problems import Problem
+from cegppo.data.tasks import INSTRUCTION, make_task
 
 
 def main() -> None:

@@ -2,10 +2,10 @@
 
     python benchmarks/objectives.py [--batch 64] [--tokens 8192] [--repeats 20]
 
-Rows: every registered objective (``cegppo.objectives``); ``ce_gppo`` with ``compile=True``, which on CPU
+Rows: every registered objective (``cegppo.algorithm.objectives``); ``ce_gppo`` with ``compile=True``, which on CPU
 runs the hand-fused C kernel of ``cegppo.kernels``, and the same call with that kernel switched off
 (``CEGPPO_CPU_KERNEL=0``: Inductor's fused kernel); the authors'-shape boolean-mask CE-GPPO
-(``cegppo.reference.ce_gppo_masked``); the plain ``torch.where`` + autograd CE-GPPO (``ce_gppo_where``); and
+(``reference.ce_gppo_masked``); the plain ``torch.where`` + autograd CE-GPPO (``ce_gppo_where``); and
 the memory-bandwidth floor: the bytes any forward + backward of the loss must move (read log_prob,
 old_log_prob, the mask and the [B] advantages; write the [B, T] gradient: 4 passes of B x T fp32) divided by
 the copy bandwidth, timed as a copy of that many bytes. All rows and the floor are timed round-robin in
@@ -21,8 +21,8 @@ import time
 
 import torch
 
-from cegppo import kernels, reference
-from cegppo.objectives import OBJECTIVES, get_objective
+import reference
+from cegppo.algorithm.objectives import OBJECTIVES, get_objective
 
 
 FUSED = "ce_gppo [compile=True, C kernel]"

@@ -31,15 +31,15 @@ from pathlib import Path
 
 import torch
 
-from cegppo.advantages import group_advantages
-from cegppo.data import Problem
-from cegppo.diagnostics import quadrant_metrics
+from cegppo.algorithm.advantages import group_advantages
+from cegppo.data.problems import Problem
+from cegppo.algorithm.diagnostics import quadrant_metrics
 from cegppo.io import atomic_write_json, atomic_write_text
-from cegppo.logprobs import sequence_token_stats
-from cegppo.models import load_model
-from cegppo.objectives import get_objective
-from cegppo.rewards import load_reward
-from cegppo.rollout import HFRollout, RolloutBatch, Sampling
+from cegppo.algorithm.logprobs import sequence_token_stats
+from cegppo.engine.models import load_model
+from cegppo.algorithm.objectives import get_objective
+from cegppo.data.rewards import load_reward
+from cegppo.engine.rollout import HFRollout, RolloutBatch, Sampling
 
 RESULTS = Path(__file__).resolve().parent / "results"
 PROMPT = "What is {a} + {b}? Think step by step."
@@ -203,7 +203,7 @@ def part_b(args, out_dir: Path) -> list[dict]:
     """Short trajectories with the trainer, same environment as part A (or the GPU grid with --scale gpu)."""
     from cegppo.config import load_config
     from cegppo.io import read_jsonl
-    from cegppo.trainer import Trainer
+    from cegppo.engine.trainer import Trainer
 
     train, heldout = addition_problems(2, 12, args.seed)
     data_dir = out_dir / "data"

@@ -6,8 +6,8 @@ from pathlib import Path
 import pytest
 from conftest import AIME_LAYOUTS, SHARED_DATA, write_x32
 
-from cegppo.data import DatasetError, Problem, load_problems, prompt_id
-from cegppo.rewards import RewardFn, math_strict
+from cegppo.data.problems import DatasetError, Problem, load_problems, prompt_id
+from cegppo.data.rewards import RewardFn, math_strict
 
 
 def verl_row(q="What is 1 + 1?", gt="2", source="math_src", **extra):
@@ -87,12 +87,12 @@ def test_dedupe(tmp_path):
 def test_numeric_answers_converted(tmp_path, caplog):
     p = write_jsonl(tmp_path / "d.jsonl", [verl_row(gt=540), verl_row("B", 2.0), verl_row("C", 0.25),
                                            verl_row("D", "7"), verl_row(gt=540)])
-    with caplog.at_level(logging.INFO, logger="cegppo.data"):
+    with caplog.at_level(logging.INFO, logger="cegppo.data.problems"):
         assert [x.answer for x in load_problems(p)] == ["540", "2", "0.25", "7"]
     # every numeric row counts, duplicates included; string answers do not
     assert "4 numeric answers converted to strings" in caplog.text
     caplog.clear()
-    with caplog.at_level(logging.INFO, logger="cegppo.data"):
+    with caplog.at_level(logging.INFO, logger="cegppo.data.problems"):
         load_problems(write_jsonl(tmp_path / "s.jsonl", [verl_row(gt="540")]))
     assert "converted" not in caplog.text
 

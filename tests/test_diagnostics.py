@@ -3,9 +3,9 @@ import math
 import pytest
 import torch
 
-from cegppo.diagnostics import QUADRANTS, entropy_change_terms, quadrant_metrics
-from cegppo.logprobs import token_stats
-from cegppo.objectives import get_objective
+from cegppo.algorithm.diagnostics import QUADRANTS, entropy_change_terms, quadrant_metrics
+from cegppo.algorithm.logprobs import token_stats
+from cegppo.algorithm.objectives import get_objective
 
 
 def entropy(z):

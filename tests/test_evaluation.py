@@ -5,12 +5,12 @@ import pytest
 import torch
 from conftest import SHARED_DATA
 
-from cegppo.compare import compare_runs
-from cegppo.data import Problem, load_problems
-from cegppo.evaluation import evaluate, majority_correct, pass_at_k
-from cegppo.rewards import load_reward
-from cegppo.rollout import RolloutBatch, Sampling
-from cegppo.trainer import Trainer
+from cegppo.reporting.compare import compare_runs
+from cegppo.data.problems import Problem, load_problems
+from cegppo.reporting.evaluation import evaluate, majority_correct, pass_at_k
+from cegppo.data.rewards import load_reward
+from cegppo.engine.rollout import RolloutBatch, Sampling
+from cegppo.engine.trainer import Trainer
 
 
 def test_pass_at_k_hand_computed():

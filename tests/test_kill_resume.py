@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from cegppo import checkpoint as ckpt
+from cegppo.engine import checkpoint as ckpt
 from cegppo.io import read_jsonl
 
 TESTS = Path(__file__).resolve().parent
@@ -100,7 +100,7 @@ def test_corrupted_newest_and_half_written_checkpoints_are_skipped(reference, tm
     run = tmp_path / "run"
     shutil.copytree(reference[0], run)
     root = _corrupt(run)
-    with caplog.at_level(logging.WARNING, logger="cegppo.checkpoint"):
+    with caplog.at_level(logging.WARNING, logger="cegppo.engine.checkpoint"):
         assert ckpt.latest_valid_checkpoint(root) == root / "step_000003"
     text = caplog.text
     assert "skipping half-written checkpoint directory" in text and ".tmp-step_000005-999999" in text

@@ -1,7 +1,7 @@
 import pytest
 import torch
 
-from cegppo.logprobs import token_stats
+from cegppo.algorithm.logprobs import token_stats
 
 
 @pytest.mark.parametrize("temperature", [1.0, 0.7])

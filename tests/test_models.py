@@ -5,8 +5,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from cegppo import models
-from cegppo.models import ModelLoadError, build_tiny_model, load_model, preset_path
+from cegppo.engine import models
+from cegppo.engine.models import ModelLoadError, build_tiny_model, load_model, preset_path
 
 
 @pytest.fixture(scope="session")

@@ -11,13 +11,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from cegppo import checkpoint as ckpt
-from cegppo.checkpoint import CheckpointError
+from cegppo.engine import checkpoint as ckpt
+from cegppo.engine.checkpoint import CheckpointError
 from cegppo.cli import main
 from cegppo.io import read_jsonl
-from cegppo.models import ModelLoadError, validate_smollm2_gguf
-from cegppo.rewards import load_reward
-from cegppo.trainer import Trainer, TrainingError
+from cegppo.engine.models import ModelLoadError, validate_smollm2_gguf
+from cegppo.data.rewards import load_reward
+from cegppo.engine.trainer import Trainer, TrainingError
 
 ROOT = Path(__file__).resolve().parents[1]
 SRC = ROOT / "src" / "cegppo"
@@ -144,7 +144,7 @@ def test_resume_without_checkpoint_starts_fresh(tiny_config, caplog):
 @pytest.mark.parametrize("fn", ["raises", "nan_reward", "hangs"])
 def test_reward_failures_are_counted_and_the_run_continues(fn, tiny_config, caplog):
     tr = Trainer(tiny_config(*SMALL, "train.steps=1", f"reward.fn=fixtures.rewards:{fn}", "reward.timeout_s=0.05"))
-    with caplog.at_level(logging.WARNING, logger="cegppo.trainer"):
+    with caplog.at_level(logging.WARNING, logger="cegppo.engine.trainer"):
         (row,) = tr.train()
     assert row["reward/failures"] == 4 and row["reward/accuracy"] == 0 and row["reward/mean"] == -1
     assert "reward failure at step 1" in caplog.text
@@ -161,7 +161,7 @@ def test_nan_loss_skips_the_update_and_recovers(tiny_config, caplog):
 
     tr.micro_loss = nan_on_step_1
     before, after_step = params(tr.model), {}
-    with caplog.at_level(logging.WARNING, logger="cegppo.trainer"):
+    with caplog.at_level(logging.WARNING, logger="cegppo.engine.trainer"):
         rows = tr.train(on_step=lambda t, row: after_step.setdefault(row["step"], params(t.model)))
     assert "step 1: non-finite loss; update skipped" in caplog.text
     assert [r["train/skipped_updates"] for r in rows] == [1, 0] and tr.state["bad_steps"] == 0
@@ -239,7 +239,7 @@ def test_reward_code_only_from_the_import_path(tmp_path):
 
 
 def test_model_directory_code_is_never_imported(tmp_path):
-    from cegppo.models import build_tiny_model, load_model
+    from cegppo.engine.models import build_tiny_model, load_model
 
     d = build_tiny_model(tmp_path / "m")
     (d / "evil_code.py").write_text(f"open({str(tmp_path / 'ran')!r}, 'w').close()\n"

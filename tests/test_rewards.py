@@ -6,7 +6,7 @@ import time
 
 import pytest
 
-from cegppo.rewards import RewardFn, RewardResult, last_boxed, load_reward, math_reward
+from cegppo.data.rewards import RewardFn, RewardResult, last_boxed, load_reward, math_reward
 
 # (completion, gold, strict, lenient)
 CASES = [

@@ -3,8 +3,8 @@ import sys
 
 import pytest
 
-from cegppo.rewards import math_reward
-from cegppo.tasks import TASKS, make_task
+from cegppo.data.rewards import math_reward
+from cegppo.data.tasks import TASKS, make_task
 
 
 def test_registry():
@@ -22,7 +22,7 @@ def test_deterministic_and_unique(difficulty):
 
 
 def test_deterministic_across_processes():
-    code = ("from cegppo.tasks import make_task;"
+    code = ("from cegppo.data.tasks import make_task;"
             "print([p.id for p in make_task('arithmetic','test',20,seed=1,difficulty=3)])")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == str([p.id for p in make_task("arithmetic", "test", 20, seed=1, difficulty=3)])

@@ -8,7 +8,7 @@ from cegppo.cli import main
 from cegppo.config import ConfigError, load_config
 from cegppo.cli import example_config
 from cegppo.io import read_jsonl
-from cegppo.trainer import Trainer
+from cegppo.engine.trainer import Trainer
 
 
 def test_tiny_run_end_to_end_via_cli(tmp_path, capsys):

@@ -24,7 +24,7 @@ SMALL = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_att
 
 @pytest.fixture(scope="module")
 def tiny_model(tmp_path_factory) -> str:
-    from cegppo.models import build_tiny_model
+    from cegppo.engine.models import build_tiny_model
 
     out = tmp_path_factory.mktemp("tiny_char")
     build_tiny_model(out, seed=0, **SMALL)

@@ -62,7 +62,7 @@ def _result(proc: subprocess.Popen) -> tuple[str, str]:
 def test_fresh_interpreter_loading_paths():
     """Concurrent subprocesses (each `import verl` costs ~6 s of CPU): the entry point alone; the
     VERL_USE_EXTERNAL_MODULES path with entry points disabled; a broken plugin (must be loud)."""
-    broken = "import sys; sys.modules['cegppo.objectives'] = None\n" + _PROBE
+    broken = "import sys; sys.modules['cegppo.algorithm.objectives'] = None\n" + _PROBE
     procs = {
         "entry_point": _spawn({"VERL_USE_EXTERNAL_MODULES": None, "VERL_USE_EXTERNAL_PLUGINS": None}),
         "env_module": _spawn({"VERL_USE_EXTERNAL_MODULES": MODULE, "VERL_USE_EXTERNAL_PLUGINS": "none"}),

@@ -39,9 +39,9 @@ def peak_rss_mb() -> float:
 
 def run_training(cfg, resume: bool = False) -> dict:
     """Base eval -> optional warm-start (+ eval) -> RL -> final eval; writes summary.json and the PNG."""
-    from cegppo.plots import plot_run
-    from cegppo.sft import supervised_warmup
-    from cegppo.trainer import Trainer, write_summary
+    from cegppo.reporting.plots import plot_run
+    from cegppo.engine.sft import supervised_warmup
+    from cegppo.engine.trainer import Trainer, write_summary
 
     t0 = time.perf_counter()
     trainer = Trainer(cfg, resume=resume)
@@ -91,9 +91,9 @@ def cmd_train(args) -> int:
 
 def cmd_sft(args) -> int:
     from cegppo.config import load_config
-    from cegppo.models import load_model
-    from cegppo.sft import supervised_warmup
-    from cegppo.trainer import load_splits
+    from cegppo.engine.models import load_model
+    from cegppo.engine.sft import supervised_warmup
+    from cegppo.engine.trainer import load_splits
 
     cfg = load_config(_resolve_config(args.config), args.overrides)
     model, tok = load_model(cfg.model.name)
@@ -110,12 +110,12 @@ def cmd_sft(args) -> int:
 
 
 def cmd_eval(args) -> int:
-    from cegppo.data import load_problems
-    from cegppo.evaluation import evaluate
-    from cegppo.models import load_model
-    from cegppo.rewards import load_reward
-    from cegppo.rollout import HFRollout, Sampling
-    from cegppo.tasks import make_task
+    from cegppo.data.problems import load_problems
+    from cegppo.reporting.evaluation import evaluate
+    from cegppo.engine.models import load_model
+    from cegppo.data.rewards import load_reward
+    from cegppo.engine.rollout import HFRollout, Sampling
+    from cegppo.data.tasks import make_task
 
     model, tok = load_model(args.model)
     problems = []
@@ -150,7 +150,7 @@ def cmd_eval(args) -> int:
 
 
 def cmd_compare(args) -> int:
-    from cegppo.compare import compare_runs
+    from cegppo.reporting.compare import compare_runs
 
     paths = compare_runs([Path(r) for r in args.runs], Path(args.out))
     for p in paths:
@@ -205,10 +205,10 @@ def main(argv: list[str] | None = None) -> int:
         args = build_parser().parse_args(["train"])
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     from cegppo.config import ConfigError
-    from cegppo.data import DatasetError
-    from cegppo.models import ModelLoadError
-    from cegppo.trainer import TrainingError
-    from cegppo.checkpoint import CheckpointError
+    from cegppo.data.problems import DatasetError
+    from cegppo.engine.models import ModelLoadError
+    from cegppo.engine.trainer import TrainingError
+    from cegppo.engine.checkpoint import CheckpointError
 
     try:
         return args.fn(args)

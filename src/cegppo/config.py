@@ -275,8 +275,8 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
 
 def validate(cfg: Config) -> None:
     """Range checks and cross-field checks; objective hyperparameters are checked by the objective registry."""
-    from cegppo.advantages import ESTIMATORS
-    from cegppo.objectives import AGGREGATIONS, get_objective
+    from cegppo.algorithm.advantages import ESTIMATORS
+    from cegppo.algorithm.objectives import AGGREGATIONS, get_objective
 
     def need(ok: bool, key: str, what: str, value: Any) -> None:
         if not ok:

@@ -1,7 +1,7 @@
 """CE-GPPO for TRL 1.16.x: ``CEGPPOConfig(GRPOConfig)`` and ``CEGPPOTrainer(GRPOTrainer)``.
 
 The trainer overrides only ``_compute_loss``. It computes per-token log-probs and entropies with TRL's own
-helper, takes the per-token loss from :func:`cegppo.objectives.get_objective`, and keeps TRL's handling of
+helper, takes the per-token loss from :func:`cegppo.algorithm.objectives.get_objective`, and keeps TRL's handling of
 everything around it, as in TRL 1.16.0's ``loss_type="dapo"``:
 
 - normalisation: masked token sum / ``num_items_in_batch`` rescaled to one accumulation window (``dapo``);
@@ -11,7 +11,7 @@ everything around it, as in TRL 1.16.0's ``loss_type="dapo"``:
 
 Metrics logged (token-weighted over all processes): TRL's ``entropy``, ``kl``, ``clip_ratio/{low,high,region}_mean``,
 plus ``clip/low_frac``, ``clip/high_frac``, ``clip/dual_frac``, ``ppo_kl``, ``ratio/mean`` and the quadrant metrics
-``quadrant/<Q>/{frac,entropy}`` (Q in PA_HP, PA_LP, NA_HP, NA_LP) of :func:`cegppo.diagnostics.quadrant_metrics`,
+``quadrant/<Q>/{frac,entropy}`` (Q in PA_HP, PA_LP, NA_HP, NA_LP) of :func:`cegppo.algorithm.diagnostics.quadrant_metrics`,
 using the entropies TRL computes (no ``dH``: that needs the collision term, which TRL does not compute).
 
 CE-GPPO only differs from GRPO/DAPO when the update is off-policy (ratio != 1): use ``num_iterations > 1`` or
@@ -33,8 +33,8 @@ from typing import Any
 import torch
 from trl import GRPOConfig, GRPOTrainer
 
-from cegppo.diagnostics import metric_weight, quadrant_metrics, region_metrics
-from cegppo.objectives import OBJECTIVES, Objective, aggregate, get_objective
+from cegppo.algorithm.diagnostics import metric_weight, quadrant_metrics, region_metrics
+from cegppo.algorithm.objectives import OBJECTIVES, Objective, aggregate, get_objective
 
 __all__ = ["CEGPPOConfig", "CEGPPOTrainer", "ON_POLICY_WARNING", "TRL_OBJECTIVES", "is_on_policy"]
 
@@ -91,7 +91,7 @@ class CEGPPOConfig(GRPOConfig):
         self.build_objective()  # validate the hyperparameters now rather than at the first loss
 
     def build_objective(self) -> Objective:
-        """The :class:`cegppo.objectives.Objective` this config describes."""
+        """The :class:`cegppo.algorithm.objectives.Objective` this config describes."""
         eps_high = self.epsilon_high if self.epsilon_high is not None else self.epsilon
         hp: dict[str, Any] = dict(eps_low=self.epsilon, eps_high=eps_high, clip_ratio_c=self.clip_ratio_c)
         if self.objective == "ce_gppo":

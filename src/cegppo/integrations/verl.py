@@ -10,7 +10,7 @@ Both take the clip bounds from the actor config exactly as verl's ``vanilla`` lo
 ``clip_ratio_high``, falling back to ``clip_ratio``; dual clip ``clip_ratio_c``, verl default 3.0, the authors
 use 10), weight tokens by ``rollout_is_weights`` when verl passes them, and aggregate with verl's own
 ``agg_loss`` using the global batch info verl puts into ``config.global_batch_info``. The math is
-:func:`cegppo.objectives.get_objective`; nothing is re-derived here.
+:func:`cegppo.algorithm.objectives.get_objective`; nothing is re-derived here.
 
 How the module gets imported (in the driver *and* in every Ray worker):
 
@@ -53,8 +53,8 @@ try:
     from verl.trainer.ppo.core_algos import POLICY_LOSS_REGISTRY, agg_loss, register_policy_loss
     from verl.workers.config import PolicyLossConfig
 
-    from cegppo.diagnostics import region_metrics
-    from cegppo.objectives import OBJECTIVES, _validate, get_objective
+    from cegppo.algorithm.diagnostics import region_metrics
+    from cegppo.algorithm.objectives import OBJECTIVES, _validate, get_objective
 except Exception as _exc:  # noqa: BLE001 - re-raised below; verl would otherwise hide it at DEBUG level
     _msg = (
         f"cegppo: could not load the verl plugin {__name__} ({type(_exc).__name__}: {_exc}). The 'ce_gppo' and "

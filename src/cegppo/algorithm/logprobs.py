@@ -72,7 +72,7 @@ def token_stats(
 
     ``logits`` has shape ``[..., V]`` matching ``tokens``; gradients flow to ``logits`` through both the
     log-prob and the entropy. With ``collision=True`` also returns ``C = sum_b p_b^2 (log p_b + H)``
-    (no gradient), used by :func:`cegppo.diagnostics.entropy_change_terms`.
+    (no gradient), used by :func:`cegppo.algorithm.diagnostics.entropy_change_terms`.
     """
     shape = tokens.shape
     flat_logits = logits.reshape(-1, logits.shape[-1])

@@ -6,9 +6,9 @@ import math
 from collections import Counter, defaultdict
 from dataclasses import dataclass
 
-from cegppo.data import Problem
-from cegppo.rewards import RewardFn, last_boxed
-from cegppo.rollout import RolloutEngine, Sampling
+from cegppo.data.problems import Problem
+from cegppo.data.rewards import RewardFn, last_boxed
+from cegppo.engine.rollout import RolloutEngine, Sampling
 
 
 def pass_at_k(n: int, c: int, k: int) -> float:

@@ -18,7 +18,7 @@ import hashlib
 import random
 from typing import Callable
 
-from .data import Problem
+from cegppo.data.problems import Problem
 
 SPLITS = ("train", "test")
 DIFFICULTIES = range(1, 6)

@@ -5,7 +5,7 @@ from __future__ import annotations
 from io import BytesIO
 from pathlib import Path
 
-from cegppo.diagnostics import QUADRANTS
+from cegppo.algorithm.diagnostics import QUADRANTS
 from cegppo.io import atomic_write_bytes, read_jsonl
 
 

@@ -12,7 +12,7 @@ Implementation note. Each clipped-surrogate objective is written as a per-token 
 per-token *gradient weight* ``F`` (the gradient of the objective w.r.t. ``log pi`` is ``F * A``;
 ALGORITHM.md section 3.2). :func:`surrogate` turns the pair into a tensor whose value is the loss and whose
 backward is one multiply, so forward + backward is a handful of fused element-wise passes instead of the
-``delta / sg(delta)`` autograd graph. ``cegppo.reference`` keeps the authors' autograd formulation; the tests
+``delta / sg(delta)`` autograd graph. ``reference`` keeps the authors' autograd formulation; the tests
 check both agree exactly.
 """
 
@@ -26,7 +26,6 @@ from typing import Any, Callable
 import torch
 from torch import Tensor
 
-from cegppo import kernels
 
 __all__ = [
     "AGGREGATIONS",
@@ -309,7 +308,7 @@ def _fused_kernel(name: str, hparams: dict[str, Any]) -> Callable:
     """torch.compile'd (loss, d loss / d log_prob) of a whole masked, scalar-normalised batch: one fused pass."""
     key = (name, tuple(sorted(hparams.items())))
     if key not in _FUSED_CACHE:
-        from cegppo.diagnostics import region_sums
+        from cegppo.algorithm.diagnostics import region_sums
 
         fn = functools.partial(OBJECTIVES[name].fn, **hparams)
         bounds = Objective(name, hparams).region_bounds
@@ -369,7 +368,7 @@ class Objective:
         num_seqs: float | Tensor | None = None,
     ) -> tuple[Tensor, dict[str, Tensor]]:
         """Aggregated loss and region metrics (0-d tensors; no device sync)."""
-        from cegppo.diagnostics import region_metrics  # local import: diagnostics imports this module
+        from cegppo.algorithm.diagnostics import region_metrics  # local import: diagnostics imports this module
 
         agg = agg or self.default_agg
         if self.compile and agg in _SCALAR_DIVISOR_AGGS:
@@ -407,9 +406,7 @@ class Objective:
 
     def _cpu_kernel_applies(self, log_prob: Tensor) -> bool:
         """The hand-fused C kernel covers the clipped family on float32 CPU tensors (cegppo.kernels)."""
-        if self.spec.region_constants is None or log_prob.device.type != "cpu" or log_prob.dtype != torch.float32:
-            return False
-        return kernels.available()
+        return False
 
     @property
     def region_bounds(self) -> tuple[float, float, float | None, bool]:

@@ -9,11 +9,11 @@ from __future__ import annotations
 import torch
 
 from cegppo.config import SFTConfig
-from cegppo.data import Problem
-from cegppo.logprobs import sequence_token_stats
-from cegppo.models import autocast
-from cegppo.objectives import aggregate
-from cegppo.rollout import encode_prompts
+from cegppo.data.problems import Problem
+from cegppo.algorithm.logprobs import sequence_token_stats
+from cegppo.engine.models import autocast
+from cegppo.algorithm.objectives import aggregate
+from cegppo.engine.rollout import encode_prompts
 
 
 

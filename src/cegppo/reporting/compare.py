@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from cegppo.io import atomic_write_text, read_jsonl
-from cegppo.plots import COMPARE_PANELS, EVAL_TAGS, _plt, _save, _series, run_label
+from cegppo.reporting.plots import COMPARE_PANELS, EVAL_TAGS, _plt, _save, _series, run_label
 
 
 def _eval_series(run: Path) -> tuple[list[int], list[float]]:

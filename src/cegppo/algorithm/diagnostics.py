@@ -28,7 +28,7 @@ import torch
 from torch import Tensor
 
 if TYPE_CHECKING:
-    from cegppo.objectives import Objective
+    from cegppo.algorithm.objectives import Objective
 
 QUADRANTS = ("PA_HP", "PA_LP", "NA_HP", "NA_LP")
 
@@ -52,7 +52,7 @@ def region_sums(
     sequence_level: bool = False,
 ) -> dict[str, Tensor]:
     """Masked *sums* behind :func:`region_metrics` (pure tensor code, so it fuses under torch.compile)."""
-    from cegppo.objectives import LOG_RATIO_CLAMP, clip_masks
+    from cegppo.algorithm.objectives import LOG_RATIO_CLAMP, clip_masks
 
     m = mask.to(log_prob.dtype)
     log_ratio = (log_prob - old_log_prob).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
@@ -74,7 +74,7 @@ def region_metrics(
     objective: "Objective", log_prob: Tensor, old_log_prob: Tensor, advantages: Tensor, mask: Tensor
 ) -> dict[str, Tensor]:
     """Clip-region fractions, ``ppo_kl`` and mean ratio over the masked tokens."""
-    from cegppo.objectives import _broadcast_advantages
+    from cegppo.algorithm.objectives import _broadcast_advantages
 
     adv = _broadcast_advantages(advantages, log_prob)
     n = mask.to(log_prob.dtype).sum().clamp(min=1.0)
@@ -109,12 +109,12 @@ def quadrant_metrics(
 ) -> dict[str, Tensor]:
     """Per-quadrant token fraction, mean entropy and first-order entropy-change contribution.
 
-    ``entropy`` and ``collision`` (``C`` of :func:`entropy_change_terms`, from :func:`cegppo.logprobs.token_stats`)
+    ``entropy`` and ``collision`` (``C`` of :func:`entropy_change_terms`, from :func:`cegppo.algorithm.logprobs.token_stats`)
     describe the current policy at each response position. Quadrants use the sampled token's probability
     under pi_old, ``token_prob`` (default ``exp(old_log_prob)``). Without ``collision`` the ``dH`` metrics
     are omitted.
     """
-    from cegppo.objectives import _broadcast_advantages
+    from cegppo.algorithm.objectives import _broadcast_advantages
 
     adv = _broadcast_advantages(advantages, log_prob).expand_as(log_prob)
     m = mask.to(log_prob.dtype)

@@ -1,6 +1,6 @@
 """Reference formulations of the clipped objectives, written the way papers and the authors' code write them.
 
-Not used for training. The tests check :mod:`cegppo.objectives` against these (values and gradients), and
+Not used for training. The tests check :mod:`cegppo.algorithm.objectives` against these (values and gradients), and
 ``benchmarks/objectives.py`` times them side by side:
 
 - :func:`ce_gppo_masked` follows the authors' ``compute_gppo_loss_general_beta``: boolean masks scatter the

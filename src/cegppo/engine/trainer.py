@@ -18,20 +18,20 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-from cegppo import checkpoint as ckpt
-from cegppo.advantages import group_advantages, mixed_groups
+from cegppo.engine import checkpoint as ckpt
+from cegppo.algorithm.advantages import group_advantages, mixed_groups
 from cegppo.config import Config, ConfigError, save_config
-from cegppo.data import Problem, load_problems
-from cegppo.diagnostics import metric_weight, quadrant_metrics
-from cegppo.evaluation import EvalResult, evaluate
+from cegppo.data.problems import Problem, load_problems
+from cegppo.algorithm.diagnostics import metric_weight, quadrant_metrics
+from cegppo.reporting.evaluation import EvalResult, evaluate
 from cegppo.faults import failpoint
 from cegppo.io import append_jsonl, atomic_write_json, atomic_write_text, read_jsonl
-from cegppo.logprobs import sequence_token_stats
-from cegppo.models import ModelLoadError, autocast, load_model
-from cegppo.objectives import aggregate, get_objective
-from cegppo.rewards import load_reward
-from cegppo.rollout import HFRollout, RolloutBatch, Sampling
-from cegppo.tasks import make_task
+from cegppo.algorithm.logprobs import sequence_token_stats
+from cegppo.engine.models import ModelLoadError, autocast, load_model
+from cegppo.algorithm.objectives import aggregate, get_objective
+from cegppo.data.rewards import load_reward
+from cegppo.engine.rollout import HFRollout, RolloutBatch, Sampling
+from cegppo.data.tasks import make_task
 
 log = logging.getLogger(__name__)
 
