@@ -5,6 +5,7 @@ import torch
 
 from cegppo.algorithm.diagnostics import QUADRANTS, entropy_change_terms, quadrant_metrics
 from cegppo.algorithm.logprobs import token_stats
+from cegppo.algorithm.policy_loss import policy_loss
 from cegppo.algorithm.objectives import get_objective
 
 
@@ -24,7 +25,7 @@ def test_first_order_dH_matches_true_entropy_change(ratio, adv, objective):
     lp = torch.log_softmax(z, -1)[a].view(1, 1)
     old = lp.detach() - math.log(ratio)
     A = torch.tensor([adv], dtype=torch.float64)
-    loss, _ = obj(lp, old, A, torch.ones(1, 1, dtype=torch.float64))
+    loss, _ = policy_loss(obj, lp, old, A, torch.ones(1, 1, dtype=torch.float64))
     loss.backward()
     eta = 1e-3
     dH_true = (entropy(z.detach() - eta * z.grad) - entropy(z.detach())).item()

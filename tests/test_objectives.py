@@ -4,6 +4,7 @@ import pytest
 import torch
 
 import reference
+from cegppo.algorithm.policy_loss import policy_loss
 from cegppo.algorithm.objectives import AGGREGATIONS, OBJECTIVES, aggregate, get_objective
 
 
@@ -126,7 +127,7 @@ def test_gspo_sequence_ratio_gradient():
     lp, old, adv, mask = random_batch(spread=0.001)
     obj = get_objective("gspo")
     x = lp.clone().requires_grad_(True)
-    loss, _ = obj(x, old, adv, mask)
+    loss, _ = policy_loss(obj, x, old, adv, mask)
     loss.backward()
     # reference: J = mean_i min(s_i A_i, clip(s_i) A_i) with s_i = exp(mean_t log r); autograd through s directly
     y = lp.clone().requires_grad_(True)
@@ -143,13 +144,13 @@ def test_micro_batch_invariance(agg, name):
     lp, old, adv, mask = random_batch(B=12, spread=0.8, seed=3)
     obj = get_objective(name)
     x = lp.clone().requires_grad_(True)
-    whole, _ = obj(x, old, adv, mask, agg=agg)
+    whole, _ = policy_loss(obj, x, old, adv, mask, agg=agg)
     whole.backward()
     y = lp.clone().requires_grad_(True)
     total = 0.0
     n_tok, n_seq = mask.sum(), mask.shape[0]
     for sl in (slice(0, 5), slice(5, 6), slice(6, 12)):
-        part, _ = obj(y[sl], old[sl], adv[sl], mask[sl], agg=agg, num_tokens=n_tok, num_seqs=n_seq)
+        part, _ = policy_loss(obj, y[sl], old[sl], adv[sl], mask[sl], agg=agg, num_tokens=n_tok, num_seqs=n_seq)
         part.backward()
         total = total + part.detach()
     torch.testing.assert_close(total, whole.detach(), rtol=1e-12, atol=1e-12)
@@ -177,7 +178,7 @@ def test_finite_at_extreme_log_ratios(name, dtype):
     mask = torch.ones_like(lp)
     for adv in (torch.tensor([1.0, -1.0], dtype=dtype), torch.tensor([-1.0, 1.0], dtype=dtype)):
         x = lp.clone().requires_grad_(True)
-        loss, metrics = get_objective(name)(x, old, adv, mask)
+        loss, metrics = policy_loss(get_objective(name), x, old, adv, mask)
         loss.backward()
         assert torch.isfinite(loss), name
         assert torch.isfinite(x.grad).all(), name
@@ -226,7 +227,7 @@ def test_metrics_are_tensors_and_region_fractions_correct():
     old = torch.zeros_like(lp)
     adv = torch.tensor([[-1.0, 1.0, 1.0, -1.0, -1.0, 1.0]])
     mask = torch.ones_like(lp)
-    _, m = get_objective("ce_gppo")(lp, old, adv, mask)
+    _, m = policy_loss(get_objective("ce_gppo"), lp, old, adv, mask)
     assert all(isinstance(v, torch.Tensor) and v.dim() == 0 for v in m.values())
     assert m["clip/low_frac"].item() == pytest.approx(1 / 6)
     assert m["clip/high_frac"].item() == pytest.approx(1 / 6)

@@ -101,7 +101,7 @@ def test_disk_full_during_checkpoint(tiny_config, monkeypatch):
     monkeypatch.setattr(ckpt, "_fsync_tree", full)
     with pytest.raises(CheckpointError, match=r"could not write checkpoint .*step_000001: No space left on device"):
         tr.train()
-    root = tr.ckpt_dir
+    root = tr.run.checkpoints
     assert ckpt.latest_valid_checkpoint(root) == first and ckpt.list_checkpoints(root) == [first]
     assert not ckpt.stale_temp_dirs(root) and not list(root.glob(".tmp*"))
 
@@ -109,7 +109,7 @@ def test_disk_full_during_checkpoint(tiny_config, monkeypatch):
 def test_corrupt_metrics_file_is_reported_on_resume(tiny_config, tmp_path):
     tr = Trainer(tiny_config(*SMALL[:-1], "train.save_every=1"))
     tr.save()
-    (tr.run_dir / "metrics.jsonl").write_text('{"step": 1}\n{broken\n{"step": 2}\n')
+    (tr.run.path / "metrics.jsonl").write_text('{"step": 1}\n{broken\n{"step": 2}\n')
     with pytest.raises(TrainingError, match=r"metrics\.jsonl:2: not valid JSON; repair or remove"):
         Trainer(tiny_config(*SMALL[:-1], "train.save_every=1"), resume=True)
 
@@ -119,17 +119,17 @@ def test_torn_last_metrics_line_is_dropped_on_resume(tiny_config):
     tr.state["step"] = 2
     assert tr.save().name == "step_000002"  # resume point: rows up to step 2 are kept, later ones dropped
     rows = [{"step": 1, "x": 1}, {"step": 2, "x": 2}, {"step": 3, "x": 3}]
-    metrics = tr.run_dir / "metrics.jsonl"
+    metrics = tr.run.path / "metrics.jsonl"
     metrics.write_text("".join(json.dumps(r) + "\n" for r in rows) + '{"step": 2, "x"')  # kill mid-append
     assert read_jsonl(metrics) == rows  # ignored on read
-    (tr.run_dir / "eval.jsonl").write_text('{"step": 0, "tag": "base"}\n{"step": 2, "tag": "periodic"}\n'
+    (tr.run.path / "eval.jsonl").write_text('{"step": 0, "tag": "base"}\n{"step": 2, "tag": "periodic"}\n'
                                            '{"step": 2, "tag": "final"}\n{"step": 3, "tag": "periodic"}\n')
     resumed = Trainer(tiny_config(*SMALL[:-1], "train.save_every=1"), resume=True)
     assert resumed.state["step"] == 2
     text = metrics.read_text()  # dropped on resume: whole rows only, each newline-terminated
     assert text.endswith("\n") and [json.loads(line) for line in text.splitlines()] == rows[:2], text
     assert read_jsonl(metrics) == rows[:2]
-    assert read_jsonl(tr.run_dir / "eval.jsonl") == [{"step": 0, "tag": "base"}, {"step": 2, "tag": "periodic"}]
+    assert read_jsonl(tr.run.path / "eval.jsonl") == [{"step": 0, "tag": "base"}, {"step": 2, "tag": "periodic"}]
 
 
 def test_resume_without_checkpoint_starts_fresh(tiny_config, caplog):
@@ -148,18 +148,20 @@ def test_reward_failures_are_counted_and_the_run_continues(fn, tiny_config, capl
         (row,) = tr.train()
     assert row["reward/failures"] == 4 and row["reward/accuracy"] == 0 and row["reward/mean"] == -1
     assert "reward failure at step 1" in caplog.text
-    assert read_jsonl(tr.metrics_path)[0]["reward/failures"] == 4
+    assert read_jsonl(tr.run.metrics)[0]["reward/failures"] == 4
 
 
-def test_nan_loss_skips_the_update_and_recovers(tiny_config, caplog):
+def test_nan_loss_skips_the_update_and_recovers(tiny_config, caplog, monkeypatch):
+    import cegppo.engine.trainer as trainer_module
+
     tr = Trainer(tiny_config(*SMALL, "train.steps=2", "train.max_bad_steps=2"))
-    micro_loss = tr.micro_loss
+    real_loss = trainer_module.policy_loss
 
     def nan_on_step_1(*a, **k):
-        loss, m = micro_loss(*a, **k)
+        loss, m = real_loss(*a, **k)
         return (loss * torch.nan if tr.state["step"] == 0 else loss), m
 
-    tr.micro_loss = nan_on_step_1
+    monkeypatch.setattr(trainer_module, "policy_loss", nan_on_step_1)
     before, after_step = params(tr.model), {}
     with caplog.at_level(logging.WARNING, logger="cegppo.engine.trainer"):
         rows = tr.train(on_step=lambda t, row: after_step.setdefault(row["step"], params(t.model)))
@@ -175,7 +177,7 @@ def test_nan_logits_stop_training_after_max_bad_steps(tiny_config):
     with pytest.raises(TrainingError, match=r"2 consecutive steps had a non-finite loss or gradient "
                                             r"\(train\.max_bad_steps=2\); stopping"):
         tr.train()
-    rows = read_jsonl(tr.metrics_path)
+    rows = read_jsonl(tr.run.metrics)
     assert [r["train/skipped_updates"] for r in rows] == [1, 1]
     assert torch.equal(params(tr.model), before)
 

@@ -50,7 +50,7 @@ def test_clipping_occurs_when_minibatches_go_off_policy(tiny_config):
     rows = tr.train()
     assert max(r["clip/low_frac"] + r["clip/high_frac"] for r in rows) > 0
     on_policy = Trainer(tiny_config("train.steps=1", "train.mini_batches=1", "train.save_every=0",
-                                    out=tr.run_dir.parent / "onpolicy"))
+                                    out=tr.run.path.parent / "onpolicy"))
     r = on_policy.train()[0]
     assert r["clip/low_frac"] == 0 and r["clip/high_frac"] == 0 and abs(r["ppo_kl"]) < 1e-6
 
@@ -62,7 +62,9 @@ def test_micro_batch_invariance_of_the_update(tiny_config, tmp_path):
                                  "train.save_every=0", out=tmp_path / f"m{micro}"))
         tr.train()
         params.append(torch.cat([p.detach().flatten() for p in tr.model.parameters()]))
-    torch.testing.assert_close(params[0], params[1], rtol=1e-5, atol=1e-6)
+    # AdamW moves each weight by at most lr (1e-3) per step: 1e-5 is 1% of one update. Float sums grouped
+    # differently (16 vs 3 rows) can move a near-zero gradient's normalised update by ~1e-6.
+    torch.testing.assert_close(params[0], params[1], rtol=1e-5, atol=1e-5)
 
 
 def test_dynamic_sampling_keeps_only_mixed_groups(tiny_config):
@@ -118,7 +120,7 @@ def test_tensorboard_logging_when_installed(tiny_config):
     pytest.importorskip("tensorboard")
     tr = Trainer(tiny_config("train.steps=1", "train.save_every=0", "logging.tensorboard=true"))
     tr.train()
-    assert list((tr.run_dir / "tensorboard").glob("events.out.tfevents.*"))
+    assert list((tr.run.path / "tensorboard").glob("events.out.tfevents.*"))
 
 
 def test_dynamic_sampling_concatenates_generation_rounds(tiny_config):

@@ -5,13 +5,11 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-import resource
 import sys
-import time
 from importlib import resources
 from pathlib import Path
 
-from cegppo.io import atomic_write_text, one_line, read_jsonl
+from cegppo.io import atomic_write_text, one_line
 
 log = logging.getLogger("cegppo")
 
@@ -33,54 +31,9 @@ def _resolve_config(arg: str | None) -> Path:
     return example_config(arg)  # a bundled name: quickstart, tiny, paper_1p5b, paper_7b
 
 
-def peak_rss_mb() -> float:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-
-
-def run_training(cfg, resume: bool = False) -> dict:
-    """Base eval -> optional warm-start (+ eval) -> RL -> final eval; writes summary.json and the PNG."""
-    from cegppo.reporting.plots import plot_run
-    from cegppo.engine.sft import supervised_warmup
-    from cegppo.engine.trainer import Trainer, write_summary
-
-    t0 = time.perf_counter()
-    trainer = Trainer(cfg, resume=resume)
-    evals = {}
-
-    def held_out(tag: str, label: str) -> None:
-        if trainer.test_problems:
-            evals[tag] = trainer.log_eval(tag, trainer.evaluate())["accuracy"]
-            log.info("held-out accuracy %s: %.3f", label, evals[tag])
-
-    if not trainer.state.get("warm_started"):
-        held_out("base", "of the base model")
-        if cfg.sft.steps:
-            supervised_warmup(trainer.model, trainer.tokenizer, trainer.train_problems, cfg.sft, seed=cfg.train.seed,
-                              precision=cfg.model.precision, progress=cfg.logging.progress)
-            trainer.engine.sync(trainer.model)
-            held_out("warm-start", "after warm-start")
-        trainer.state["warm_started"] = True
-        if cfg.train.save_every:
-            trainer.save()  # step 0: a resume never repeats the warm-start
-    rows = trainer.train()
-    held_out("final", "after RL")
-    entropies = [r["entropy"] for r in read_jsonl(trainer.metrics_path) if "entropy" in r]  # steps with an update
-    summary = {
-        "steps": trainer.state["step"],
-        "wall_time_s": time.perf_counter() - t0,
-        "peak_rss_mb": peak_rss_mb(),
-        "heldout_accuracy": evals,
-        "entropy_first": entropies[0] if entropies else None,
-        "entropy_last": entropies[-1] if entropies else None,
-        "steps_this_session": len(rows),
-    }
-    write_summary(trainer.run_dir, summary)
-    plot_run(trainer.run_dir)
-    return summary
-
-
 def cmd_train(args) -> int:
     from cegppo.config import load_config
+    from cegppo.engine.recipes import run_training
 
     cfg = load_config(_resolve_config(args.config), args.overrides)
     summary = run_training(cfg, resume=args.resume)
@@ -91,52 +44,23 @@ def cmd_train(args) -> int:
 
 def cmd_sft(args) -> int:
     from cegppo.config import load_config
-    from cegppo.engine.models import load_model
-    from cegppo.engine.sft import supervised_warmup
-    from cegppo.engine.trainer import load_splits
+    from cegppo.engine.recipes import run_sft
 
     cfg = load_config(_resolve_config(args.config), args.overrides)
-    model, tok = load_model(cfg.model.name)
-    train, _ = load_splits(cfg)
     steps = cfg.sft.steps or 40
-    losses = supervised_warmup(model, tok, train, cfg.sft, steps=steps, seed=cfg.train.seed,
-                               precision=cfg.model.precision)
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    model.save_pretrained(out, safe_serialization=True)
-    tok.save_pretrained(out)
-    print(f"SFT {steps} steps: loss {losses[0]:.3f} -> {losses[-1]:.3f}; saved to {out}")
+    losses = run_sft(cfg, Path(args.out), steps)
+    print(f"SFT {steps} steps: loss {losses[0]:.3f} -> {losses[-1]:.3f}; saved to {args.out}")
     return 0
 
 
 def cmd_eval(args) -> int:
-    from cegppo.data.problems import load_problems
-    from cegppo.reporting.evaluation import evaluate
-    from cegppo.engine.models import load_model
-    from cegppo.data.rewards import load_reward
-    from cegppo.engine.rollout import HFRollout, Sampling
-    from cegppo.data.tasks import make_task
+    from cegppo.engine.recipes import EvalRequest, run_eval
+    from cegppo.engine.rollout import Sampling
 
-    model, tok = load_model(args.model)
-    problems = []
-    for spec in args.data:  # each dataset de-duplicated on load, then limited to --num-problems
-        if Path(spec).exists() or spec.endswith((".jsonl", ".json", ".parquet")):
-            loaded = load_problems(spec)
-        else:
-            loaded = make_task(spec, "test", args.num_problems or 64, seed=args.seed, difficulty=args.difficulty)
-        problems += loaded[: args.num_problems] if args.num_problems else loaded
-    import torch
-
-    engine = HFRollout(model, tok, args.max_prompt_tokens, dtype=getattr(torch, args.dtype), copy=False)
-    try:
-        reward = load_reward(args.reward)
-    except ValueError as e:
-        from cegppo.config import ConfigError
-
-        raise ConfigError(f"--reward: {e}") from None
-    torch.manual_seed(args.seed)
-    result = evaluate(engine, problems, reward, args.k, Sampling(args.temperature, args.top_p, 0, args.max_new_tokens),
-                      batch_prompts=args.batch_prompts)
+    req = EvalRequest(args.model, args.data, args.k, Sampling(args.temperature, args.top_p, 0, args.max_new_tokens),
+                      args.num_problems, args.difficulty, args.reward, args.dtype, args.max_prompt_tokens,
+                      args.batch_prompts, args.seed)
+    result = run_eval(req)
     print(f"| data source | problems | avg@{args.k} | pass@{args.k} | maj@{args.k} |\n|---|---|---|---|---|")
     for src, s in result.summary.items():
         print(f"| {src} | {s['num_problems']} | {s['avg@k']:.4f} | {s['pass@k']:.4f} | {s['maj@k']:.4f} |")
@@ -207,7 +131,7 @@ def main(argv: list[str] | None = None) -> int:
     from cegppo.config import ConfigError
     from cegppo.data.problems import DatasetError
     from cegppo.engine.models import ModelLoadError
-    from cegppo.engine.trainer import TrainingError
+    from cegppo.engine.rundir import TrainingError
     from cegppo.engine.checkpoint import CheckpointError
 
     try:

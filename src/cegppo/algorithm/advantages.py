@@ -1,4 +1,5 @@
-"""Outcome advantages for groups of responses to the same prompt, and the DAPO group filter."""
+"""From rewards to advantages: group advantages of responses to the same prompt, the DAPO group filter (dynamic
+sampling) and overlong reward shaping."""
 
 from __future__ import annotations
 
@@ -37,3 +38,11 @@ def mixed_groups(correct: Tensor, group_size: int) -> Tensor:
     """DAPO dynamic sampling: bool ``[num_groups]``, True where the group's accuracy has non-zero variance."""
     c = correct.float().view(-1, group_size)
     return (c.max(-1).values != c.min(-1).values) | (group_size == 1)
+
+
+def overlong_penalty(length: Tensor, max_new_tokens: int, buffer: int, factor: float = 1.0) -> Tensor:
+    """DAPO's overlong reward shaping of responses of ``length`` tokens: ``min(-(len - (L_max - L_buf)) / L_buf *
+    factor, 0)``, zero when ``buffer`` (L_buf) is 0."""
+    if buffer == 0:
+        return torch.zeros_like(length)
+    return torch.clamp(-(length - (max_new_tokens - buffer)) / buffer * factor, max=0.0)

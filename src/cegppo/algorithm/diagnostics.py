@@ -27,7 +27,9 @@ from typing import TYPE_CHECKING
 import torch
 from torch import Tensor
 
-if TYPE_CHECKING:
+from cegppo.algorithm.clipping import ClipBounds, broadcast_advantages, clip_masks, clip_ratio, dual_clip_mask, log_ratio
+
+if TYPE_CHECKING:  # only for the annotation: diagnostics never imports the objectives
     from cegppo.algorithm.objectives import Objective
 
 QUADRANTS = ("PA_HP", "PA_LP", "NA_HP", "NA_LP")
@@ -41,45 +43,21 @@ def metric_weight(name: str, metrics: dict[str, Tensor], n_tokens: Tensor) -> Te
     return n_tokens
 
 
-def region_sums(
-    log_prob: Tensor,
-    old_log_prob: Tensor,
-    adv: Tensor,
-    mask: Tensor,
-    eps_low: float,
-    eps_high: float,
-    clip_ratio_c: float | None,
-    sequence_level: bool = False,
-) -> dict[str, Tensor]:
-    """Masked *sums* behind :func:`region_metrics` (pure tensor code, so it fuses under torch.compile)."""
-    from cegppo.algorithm.objectives import LOG_RATIO_CLAMP, clip_masks
-
-    m = mask.to(log_prob.dtype)
-    log_ratio = (log_prob - old_log_prob).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
-    ratio = log_ratio.exp()
-    if sequence_level:  # GSPO clips whole sequences
-        seq = (log_ratio * m).sum(-1, keepdim=True) / m.sum(-1, keepdim=True).clamp(min=1.0)
-        ratio = seq.exp().expand_as(log_prob)
-    low, high = clip_masks(ratio, adv, eps_low, eps_high)
-    dual = (adv < 0) & (ratio > clip_ratio_c) if clip_ratio_c is not None else torch.zeros_like(low)
-    out = {name: (region.to(m.dtype) * m).sum()
-           for name, region in (("clip/low_frac", low), ("clip/high_frac", high), ("clip/dual_frac", dual))}
-    out["ppo_kl"] = (-log_ratio * m).sum()
-    out["ratio/mean"] = (ratio * m).sum()
-    return out
-
-
 @torch.no_grad()
-def region_metrics(
-    objective: "Objective", log_prob: Tensor, old_log_prob: Tensor, advantages: Tensor, mask: Tensor
-) -> dict[str, Tensor]:
-    """Clip-region fractions, ``ppo_kl`` and mean ratio over the masked tokens."""
-    from cegppo.algorithm.objectives import _broadcast_advantages
-
-    adv = _broadcast_advantages(advantages, log_prob)
-    n = mask.to(log_prob.dtype).sum().clamp(min=1.0)
-    sums = region_sums(log_prob.detach(), old_log_prob, adv, mask, *objective.region_bounds)
-    return {k: v / n for k, v in sums.items()}
+def region_metrics(bounds: ClipBounds, log_prob: Tensor, old_log_prob: Tensor, advantages: Tensor,
+                   mask: Tensor) -> dict[str, Tensor]:
+    """Fractions of the masked tokens in each clip region, ``ppo_kl`` and the mean ratio."""
+    adv = broadcast_advantages(advantages, log_prob)
+    m = mask.to(log_prob.dtype)
+    n = m.sum().clamp(min=1.0)
+    ratio = clip_ratio(log_prob, old_log_prob, mask, bounds)
+    low, high = clip_masks(ratio, adv, bounds.eps_low, bounds.eps_high)
+    dual = dual_clip_mask(ratio, adv, bounds.clip_ratio_c) if bounds.clip_ratio_c is not None else torch.zeros_like(low)
+    out = {name: (region.to(m.dtype) * m).sum() / n
+           for name, region in (("clip/low_frac", low), ("clip/high_frac", high), ("clip/dual_frac", dual))}
+    out["ppo_kl"] = (-log_ratio(log_prob, old_log_prob) * m).sum() / n
+    out["ratio/mean"] = (ratio * m).sum() / n
+    return out
 
 
 def entropy_change_terms(
@@ -114,9 +92,7 @@ def quadrant_metrics(
     under pi_old, ``token_prob`` (default ``exp(old_log_prob)``). Without ``collision`` the ``dH`` metrics
     are omitted.
     """
-    from cegppo.algorithm.objectives import _broadcast_advantages
-
-    adv = _broadcast_advantages(advantages, log_prob).expand_as(log_prob)
+    adv = broadcast_advantages(advantages, log_prob).expand_as(log_prob)
     m = mask.to(log_prob.dtype)
     n = m.sum().clamp(min=1.0)
     p_old = old_log_prob.exp() if token_prob is None else token_prob
@@ -139,3 +115,20 @@ def quadrant_metrics(
     if dh is not None:
         out["dH/predicted"] = total
     return out
+
+
+class MetricAccumulator:
+    """Means of metrics over micro-batches, weighted by :func:`metric_weight`; kept as tensors until :meth:`result`."""
+
+    def __init__(self) -> None:
+        self.sums: dict[str, Tensor | float] = {}
+        self.weights: dict[str, Tensor | float] = {}
+
+    def add(self, metrics: dict[str, Tensor], n_tokens: Tensor) -> None:
+        for k, v in metrics.items():
+            w = metric_weight(k, metrics, n_tokens)
+            self.sums[k] = self.sums.get(k, 0.0) + v.detach() * w
+            self.weights[k] = self.weights.get(k, 0.0) + w
+
+    def result(self) -> dict[str, float]:
+        return {k: float(s) / float(self.weights[k]) if float(self.weights[k]) > 0 else 0.0 for k, s in self.sums.items()}

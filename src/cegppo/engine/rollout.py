@@ -39,6 +39,25 @@ class RolloutBatch:
     def response_len(self) -> int:
         return self.response_mask.shape[1]
 
+    @staticmethod
+    def concat(parts: list["RolloutBatch"], pad_id: int) -> "RolloutBatch":
+        """One batch from several (e.g. dynamic-sampling rounds): prompts re-padded on the left to the widest
+        prompt, responses on the right to the longest response."""
+        P = max(p.input_ids.shape[1] - p.response_len for p in parts)
+        T = max(p.response_len for p in parts)
+
+        def fit(x: Tensor, left: int, right: int, value: int) -> Tensor:
+            return torch.nn.functional.pad(x, (left, right), value=value)
+
+        widths = [(P - (p.input_ids.shape[1] - p.response_len), T - p.response_len) for p in parts]
+        return RolloutBatch(
+            torch.cat([fit(p.input_ids, left, right, pad_id) for p, (left, right) in zip(parts, widths)]),
+            torch.cat([fit(p.attention_mask, left, right, 0) for p, (left, right) in zip(parts, widths)]),
+            torch.cat([fit(p.response_mask, 0, right, 0) for p, (_, right) in zip(parts, widths)]),
+            [t for p in parts for t in p.texts],
+            torch.cat([p.truncated for p in parts]),
+        )
+
     def select(self, rows: Tensor | list[int]) -> "RolloutBatch":
         idx = torch.as_tensor(rows, dtype=torch.long)
         return RolloutBatch(

@@ -26,6 +26,7 @@ Example::
 
 from __future__ import annotations
 
+import math
 import warnings
 from dataclasses import dataclass, field
 from typing import Any
@@ -33,8 +34,9 @@ from typing import Any
 import torch
 from trl import GRPOConfig, GRPOTrainer
 
-from cegppo.algorithm.diagnostics import metric_weight, quadrant_metrics, region_metrics
-from cegppo.algorithm.objectives import OBJECTIVES, Objective, aggregate, get_objective
+from cegppo.algorithm.diagnostics import metric_weight
+from cegppo.algorithm.objectives import OBJECTIVES, Objective, get_objective
+from cegppo.algorithm.policy_loss import policy_loss
 
 __all__ = ["CEGPPOConfig", "CEGPPOTrainer", "ON_POLICY_WARNING", "TRL_OBJECTIVES", "is_on_policy"]
 
@@ -132,70 +134,59 @@ class CEGPPOTrainer(GRPOTrainer):
             if self.top_entropy_quantile < 1.0 else None
         )
 
-        advantages = inputs["advantages"]
-        if advantages.dim() == 1:
-            advantages = advantages.unsqueeze(1)
         old_per_token_logps = inputs.get("old_per_token_logps")
         old_per_token_logps = per_token_logps.detach() if old_per_token_logps is None else old_per_token_logps
-
-        # the objective: per-token loss (value and gradient) from cegppo, not re-derived here
-        per_token_loss = self.objective.token_loss(per_token_logps, old_per_token_logps, advantages, mask)
-
-        if self.off_policy_mask_threshold is not None:
-            sampling_per_token_logps = inputs.get("sampling_per_token_logps", old_per_token_logps)
-            per_token_loss = per_token_loss * self.get_off_policy_mask(
-                advantages=advantages, per_token_logps=per_token_logps,
-                sampling_per_token_logps=sampling_per_token_logps, mask=mask,
-                off_policy_threshold=self.off_policy_mask_threshold,
-            )
-        if entropy_mask is not None:
-            per_token_loss = per_token_loss * entropy_mask
-        if self.use_vllm and self.vllm_importance_sampling_correction:
-            per_token_loss = per_token_loss * inputs["importance_sampling_ratio"]
-        if self.beta != 0.0:  # TRL's k3 KL to the reference model, with its importance-sampling correction
-            ref_per_token_logps = inputs["ref_per_token_logps"]
-            per_token_kl = (
-                torch.exp(ref_per_token_logps - per_token_logps) - (ref_per_token_logps - per_token_logps) - 1
-            )
-            if self.args.use_bias_correction_kl:
-                per_token_kl = per_token_kl * torch.exp(per_token_logps - old_per_token_logps)
-            per_token_loss = per_token_loss + self.beta * per_token_kl
-
+        advantages = inputs["advantages"]
         mode = "train" if self.model.training else "eval"
+
+        # TRL's per-token weights on the objective, as in its own loss: off-policy mask, entropy mask, vLLM IS ratio
+        weights = []
+        if self.off_policy_mask_threshold is not None:
+            weights.append(self.get_off_policy_mask(
+                advantages=advantages if advantages.dim() == 2 else advantages.unsqueeze(1),
+                per_token_logps=per_token_logps,
+                sampling_per_token_logps=inputs.get("sampling_per_token_logps", old_per_token_logps), mask=mask,
+                off_policy_threshold=self.off_policy_mask_threshold))
+        if entropy_mask is not None:
+            weights.append(entropy_mask)
+        if self.use_vllm and self.vllm_importance_sampling_correction:
+            weights.append(inputs["importance_sampling_ratio"])
+        kl_weights = None
+        if self.beta != 0.0 and self.args.use_bias_correction_kl:
+            kl_weights = torch.exp(per_token_logps - old_per_token_logps)
         # loss_type="dapo" normalisation: `num_items_in_batch` spans the generation batch; rescale it to one
         # accumulation window (train) so the micro-batch losses sum to the window's token mean
         normalizer = inputs["num_items_in_batch"].clamp(min=1.0) / self.accelerator.num_processes
         if mode == "train":
             normalizer = normalizer * self.current_gradient_accumulation_steps / self.args.steps_per_generation
-        loss = aggregate(per_token_loss, mask, "token-mean", num_tokens=normalizer)
-        policy_loss = loss.detach()
 
-        if self._entropy_bonus_enabled:
-            loss = loss - self._entropy_bonus(entropies, mask, entropy_mask, policy_loss, mode)
+        loss, metrics = policy_loss(
+            self.objective, per_token_logps, old_per_token_logps, advantages, mask, agg="token-mean",
+            num_tokens=normalizer, token_weights=math.prod(weights) if weights else None, entropy=entropies,
+            entropy_coeff=self._entropy_coefficient(entropies, mask, entropy_mask, mode),
+            ref_log_prob=inputs.get("ref_per_token_logps"), kl_coeff=self.beta, kl_weights=kl_weights)
 
         if self.aux_loss_enabled:
             normalizer = self.current_gradient_accumulation_steps if mode == "train" else 1.0
             loss = loss + self.router_aux_loss_coef * aux_loss / normalizer
             self._metrics[mode]["aux_loss"].append(self.accelerator.gather_for_metrics(aux_loss).mean().item())
-
-        self._log_metrics(mode, per_token_logps, old_per_token_logps, advantages, mask, entropies,
-                          per_token_kl if self.beta != 0.0 else None)
+        self._log_metrics(mode, metrics, mask)
         return loss
 
     # ----------------------------------------------------------------------------------------------------
     # pieces of GRPOTrainer._compute_loss (TRL 1.16.0) kept as they are there
 
-    def _entropy_bonus(self, entropies: torch.Tensor, mask: torch.Tensor, entropy_mask: torch.Tensor | None,
-                       policy_loss: torch.Tensor, mode: str) -> torch.Tensor:
-        """``coef * mean entropy`` exactly as TRL 1.16.0 (static or adaptive coefficient, same metrics)."""
+    def _entropy_coefficient(self, entropies: torch.Tensor, mask: torch.Tensor, entropy_mask: torch.Tensor | None,
+                             mode: str) -> float:
+        """The entropy-bonus coefficient this micro-batch applies: TRL 1.16.0's static or adaptive rule (its window
+        statistics and ``entropy_coef`` metric); 0 when the bonus is off. The bonus itself is normalised like the
+        policy loss (global token mean) by :func:`policy_loss`."""
+        if not self._entropy_bonus_enabled:
+            return 0.0
         effective_mask = mask if entropy_mask is None else mask * entropy_mask
-        accumulation_factor = self.current_gradient_accumulation_steps if mode == "train" else 1.0
-        entropy_loss = (entropies * effective_mask).sum() / effective_mask.sum().clamp(min=1.0) / accumulation_factor
+        apply_coef = self.entropy_coef
         if self.use_adaptive_entropy:
             apply_coef = self.entropy_coef if self._last_world_entropy <= self.args.entropy_target else 0.0
-        else:
-            apply_coef = self.entropy_coef
-        self._metrics[mode]["policy_loss"].append(self.accelerator.gather(policy_loss).nanmean().item())
         if self.use_adaptive_entropy and mode == "train":
             stats = torch.stack([(entropies * effective_mask).sum(), effective_mask.sum()]).detach()
             self._entropy_window_stats = stats if self._entropy_window_stats is None else self._entropy_window_stats + stats
@@ -210,34 +201,23 @@ class CEGPPOTrainer(GRPOTrainer):
                 self._entropy_window_stats = None
         if mode == "train" and self.accelerator.sync_gradients:
             self._metrics[mode]["entropy_coef"].append(self.entropy_coef)
-        return apply_coef * entropy_loss
+        return float(apply_coef)
 
     @torch.no_grad()
-    def _log_metrics(self, mode: str, per_token_logps: torch.Tensor, old_per_token_logps: torch.Tensor,
-                     advantages: torch.Tensor, mask: torch.Tensor, entropies: torch.Tensor,
-                     per_token_kl: torch.Tensor | None) -> None:
-        """Token-weighted means over all processes, one reduce for all of them (as TRL's ``global_masked_mean``)."""
-        m = mask.to(per_token_logps.dtype)
-        n = m.sum()
-        region = region_metrics(self.objective, per_token_logps, old_per_token_logps, advantages, mask)
-        quad = quadrant_metrics(self.objective, per_token_logps, old_per_token_logps, advantages, mask,
-                                entropies.detach())
-        # name -> (local numerator, local denominator); local means are turned back into sums with the same
-        # weights the trainer uses (quadrant dH needs the collision term, which TRL does not compute)
-        parts: dict[str, tuple[torch.Tensor, torch.Tensor]] = {"entropy": ((entropies * m).sum(), n)}
-        if per_token_kl is not None:
-            parts["kl"] = ((per_token_kl * m).sum(), n)
-        means = {**region, **{k: v for k, v in quad.items() if k.endswith(("/frac", "/entropy"))}}
-        for name, value in means.items():
-            w = metric_weight(name, means, n)
-            parts[name] = (value * w, w)
+    def _log_metrics(self, mode: str, metrics: dict[str, torch.Tensor], mask: torch.Tensor) -> None:
+        """Token-weighted means of :func:`policy_loss`'s metrics over all processes, in one reduce (as TRL's
+        ``global_masked_mean``). The quadrants' ``dH`` needs the collision term, which TRL does not compute."""
+        n = mask.sum().float()
+        names = [k for k in metrics if not k.endswith("/dH") and k != "dH/predicted"]
+        parts = {name: (metrics[name] * metric_weight(name, metrics, n), metric_weight(name, metrics, n)) for name in names}
+        parts["entropy"] = parts.pop("entropy/current")
+        parts["policy_loss"] = parts.pop("pg_loss")
         # TRL's names for the same regions, so existing dashboards keep working
         parts["clip_ratio/low_mean"] = parts["clip/low_frac"]
         parts["clip_ratio/high_mean"] = parts["clip/high_frac"]
-        parts["clip_ratio/region_mean"] = ((region["clip/low_frac"] + region["clip/high_frac"]) * n, n)
-        names = list(parts)
+        parts["clip_ratio/region_mean"] = ((metrics["clip/low_frac"] + metrics["clip/high_frac"]) * n, n)
         local = torch.stack([torch.stack([num.float(), den.float()]) for num, den in parts.values()])
         totals = self.accelerator.reduce(local, reduction="sum")
         values = (totals[:, 0] / totals[:, 1].clamp(min=1.0)).tolist()
-        for name, value in zip(names, values):
+        for name, value in zip(parts, values):
             self._metrics[mode][name].append(value)

@@ -9,8 +9,9 @@ Importing this module registers two losses in verl's policy-loss registry
 Both take the clip bounds from the actor config exactly as verl's ``vanilla`` loss does (``clip_ratio_low`` /
 ``clip_ratio_high``, falling back to ``clip_ratio``; dual clip ``clip_ratio_c``, verl default 3.0, the authors
 use 10), weight tokens by ``rollout_is_weights`` when verl passes them, and aggregate with verl's own
-``agg_loss`` using the global batch info verl puts into ``config.global_batch_info``. The math is
-:func:`cegppo.algorithm.objectives.get_objective`; nothing is re-derived here.
+``agg_loss`` using the global batch info verl puts into ``config.global_batch_info``. The loss is
+:func:`cegppo.algorithm.policy_loss.policy_loss`, as in cegppo's own trainer; this module only translates
+verl's arguments. verl adds its KL and entropy terms outside the policy loss, so they are not passed here.
 
 How the module gets imported (in the driver *and* in every Ray worker):
 
@@ -53,8 +54,8 @@ try:
     from verl.trainer.ppo.core_algos import POLICY_LOSS_REGISTRY, agg_loss, register_policy_loss
     from verl.workers.config import PolicyLossConfig
 
-    from cegppo.algorithm.diagnostics import region_metrics
-    from cegppo.algorithm.objectives import OBJECTIVES, _validate, get_objective
+    from cegppo.algorithm.objectives import OBJECTIVES, check_hparams, get_objective
+    from cegppo.algorithm.policy_loss import policy_loss
 except Exception as _exc:  # noqa: BLE001 - re-raised below; verl would otherwise hide it at DEBUG level
     _msg = (
         f"cegppo: could not load the verl plugin {__name__} ({type(_exc).__name__}: {_exc}). The 'ce_gppo' and "
@@ -86,7 +87,7 @@ class CEGPPOPolicyLossConfig(PolicyLossConfig):
     beta2: float = _DEFAULT_BETA2
 
     def __post_init__(self) -> None:
-        _validate("CEGPPOPolicyLossConfig", {"beta1": self.beta1, "beta2": self.beta2})  # the objectives' own check
+        check_hparams("CEGPPOPolicyLossConfig", {"beta1": self.beta1, "beta2": self.beta2})  # the objectives' own check
         if self.loss_mode != "ce_gppo" and (self.beta1, self.beta2) != (_DEFAULT_BETA1, _DEFAULT_BETA2):
             warnings.warn(
                 f"CEGPPOPolicyLossConfig: beta1={self.beta1}, beta2={self.beta2} are only used by "
@@ -168,13 +169,14 @@ def _policy_loss(
         hp["beta1"], hp["beta2"] = _betas(config)
     objective = get_objective(objective_name, **hp)
 
-    pg_losses = objective.token_loss(log_prob, old_log_prob, advantages, response_mask)
-    if rollout_is_weights is not None:  # as vanilla: per-token rollout-correction weights, before aggregation
-        pg_losses = pg_losses * rollout_is_weights
+    # verl normalises across its data-parallel ranks itself: its own agg_loss with the global batch info it passes
     global_batch_info = _cfg_get(config, "global_batch_info", None) or {}
-    pg_loss = agg_loss(loss_mat=pg_losses, loss_mask=response_mask, loss_agg_mode=loss_agg_mode, **global_batch_info)
 
-    m = region_metrics(objective, log_prob, old_log_prob, advantages, response_mask)
+    def reduce(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        return agg_loss(loss_mat=values, loss_mask=mask, loss_agg_mode=loss_agg_mode, **global_batch_info)
+
+    pg_loss, m = policy_loss(objective, log_prob, old_log_prob, advantages, response_mask, reduce=reduce,
+                             token_weights=rollout_is_weights)  # per-token rollout-correction weights, as vanilla
     # one host sync for all metrics; verl's own losses return python floats (.item())
     low, high, dual, kl = torch.stack(
         [m["clip/low_frac"], m["clip/high_frac"], m["clip/dual_frac"], m["ppo_kl"]]

@@ -1,0 +1,117 @@
+"""What ``cegppo train``, ``cegppo sft`` and ``cegppo eval`` run, assembled from the shared components."""
+
+from __future__ import annotations
+
+import logging
+import resource
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from cegppo.config import Config
+from cegppo.data.problems import Problem, load_problems
+from cegppo.data.tasks import make_task
+from cegppo.engine.components import build_policy, build_reward, load_splits
+from cegppo.engine.rollout import HFRollout, Sampling
+from cegppo.engine.sft import supervised_warmup
+from cegppo.engine.trainer import Trainer
+from cegppo.io import read_jsonl
+from cegppo.reporting.evaluation import EvalResult, evaluate
+from cegppo.reporting.plots import plot_run
+
+log = logging.getLogger("cegppo")
+
+
+def peak_rss_mb() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def run_training(cfg: Config, resume: bool = False) -> dict:
+    """Base eval -> optional warm-start (+ eval) -> RL -> final eval; writes summary.json and the PNG."""
+    t0 = time.perf_counter()
+    trainer = Trainer(cfg, resume=resume)
+    evals = {}
+
+    def held_out(tag: str, label: str) -> None:
+        if trainer.test_problems:
+            evals[tag] = trainer.log_eval(tag, trainer.evaluate())["accuracy"]
+            log.info("held-out accuracy %s: %.3f", label, evals[tag])
+
+    if not trainer.state.get("warm_started"):
+        held_out("base", "of the base model")
+        if cfg.sft.steps:
+            supervised_warmup(trainer.model, trainer.tokenizer, trainer.train_problems, cfg.sft, seed=cfg.train.seed,
+                              precision=cfg.model.precision, progress=cfg.logging.progress)
+            trainer.engine.sync(trainer.model)
+            held_out("warm-start", "after warm-start")
+        trainer.state["warm_started"] = True
+        if cfg.train.save_every:
+            trainer.save()  # step 0: a resume never repeats the warm-start
+    rows = trainer.train()
+    held_out("final", "after RL")
+    entropies = [r["entropy"] for r in read_jsonl(trainer.run.metrics) if "entropy" in r]  # steps with an update
+    summary = {
+        "steps": trainer.state["step"],
+        "wall_time_s": time.perf_counter() - t0,
+        "peak_rss_mb": peak_rss_mb(),
+        "heldout_accuracy": evals,
+        "entropy_first": entropies[0] if entropies else None,
+        "entropy_last": entropies[-1] if entropies else None,
+        "steps_this_session": len(rows),
+    }
+    trainer.run.write_summary(summary)
+    plot_run(trainer.run.path)
+    return summary
+
+
+def run_sft(cfg: Config, out: Path, steps: int) -> list[float]:
+    """Supervised warm-start of ``model.name`` on the training split's reference solutions, saved to ``out``."""
+    model, tok = build_policy(cfg.model.name)
+    train, _ = load_splits(cfg)
+    losses = supervised_warmup(model, tok, train, cfg.sft, steps=steps, seed=cfg.train.seed,
+                               precision=cfg.model.precision, progress=cfg.logging.progress)
+    out.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(out, safe_serialization=True)
+    tok.save_pretrained(out)
+    return losses
+
+
+@dataclass
+class EvalRequest:
+    """What ``cegppo eval`` evaluates, and how (the CLI flags)."""
+
+    model: str
+    data: list[str]
+    k: int = 1
+    sampling: Sampling = field(default_factory=lambda: Sampling(temperature=0.6, top_p=0.95, max_new_tokens=256))
+    num_problems: int = 0  # per dataset; 0 = all
+    difficulty: int = 1
+    reward: str = "math-strict"
+    dtype: str = "bfloat16"
+    max_prompt_tokens: int = 1024
+    batch_prompts: int = 16
+    seed: int = 0
+
+
+def eval_problems(req: EvalRequest) -> list[Problem]:
+    """Each dataset file or task of ``req.data``, de-duplicated on load, then limited to ``num_problems``."""
+    problems = []
+    for spec in req.data:
+        if Path(spec).exists() or spec.endswith((".jsonl", ".json", ".parquet")):
+            loaded = load_problems(spec)
+        else:
+            loaded = make_task(spec, "test", req.num_problems or 64, seed=req.seed, difficulty=req.difficulty)
+        problems += loaded[: req.num_problems] if req.num_problems else loaded
+    return problems
+
+
+def run_eval(req: EvalRequest) -> EvalResult:
+    problems = eval_problems(req)
+    reward = build_reward(req.reward, key="--reward")
+    model, tok = build_policy(req.model, key="--model")
+    # generation only: the engine runs on the loaded model itself, cast in place
+    engine = HFRollout(model, tok, req.max_prompt_tokens, dtype=getattr(torch, req.dtype), copy=False)
+    torch.manual_seed(req.seed)
+    return evaluate(engine, problems, reward, req.k, req.sampling, batch_prompts=req.batch_prompts)
