@@ -6,7 +6,6 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests"))  # so `fixtures.rewards:digit_overlap` imports as a user reward would
 
-SHARED_DATA = ROOT.parent / "shared" / "data"  # the shared AIME files (aime24.jsonl, aime25.jsonl), if present
 AIME_LAYOUTS = ("interleaved", "blocked")
 
 
@@ -24,11 +23,10 @@ def write_x32(src: Path, dst: Path, layout: str = "interleaved") -> Path:
 
 @pytest.fixture(params=AIME_LAYOUTS)
 def aime24_x32(request, tmp_path) -> Path:
-    """Path of the AIME 24 file repeated 32 times (both layouts); skips when ../shared/data is absent."""
-    src = SHARED_DATA / "aime24.jsonl"
-    if not src.exists():
-        pytest.skip(f"{src} not present")
-    return write_x32(src, tmp_path / f"aime24_x32_{request.param}.jsonl", request.param)
+    """Path of the bundled AIME 24 file repeated 32 times (both layouts)."""
+    from cegppo.data.evalsets import resolve_dataset
+
+    return write_x32(resolve_dataset("aime24"), tmp_path / f"aime24_x32_{request.param}.jsonl", request.param)
 
 
 @pytest.fixture

@@ -4,8 +4,9 @@ import re
 from pathlib import Path
 
 import pytest
-from conftest import AIME_LAYOUTS, SHARED_DATA, write_x32
+from conftest import AIME_LAYOUTS, write_x32
 
+from cegppo.data.evalsets import BUNDLED_DIR, EVAL_SETS, resolve_dataset
 from cegppo.data.problems import DatasetError, Problem, load_problems, prompt_id
 from cegppo.data.rewards import RewardFn, math_strict
 
@@ -206,19 +207,22 @@ def test_dataset_error_is_value_error():
     assert issubclass(DatasetError, ValueError)
 
 
-# ---------------------------------------------------------------------------- AIME files
+# ---------------------------------------------------------------------------- bundled AIME sets
 
 
-@pytest.mark.parametrize("name, source", [("aime24", "math_longcot_math_verify"),
-                                          ("aime25", "math_longcot_math_verify25")])
-def test_aime_files(name, source, tmp_path):
-    path = SHARED_DATA / f"{name}.jsonl"
-    if not path.exists():
-        pytest.skip(f"{path} not present")
+@pytest.mark.parametrize("name, source, row_source", [("aime24", "AIME 2024", "math_longcot_math_verify"),
+                                                      ("aime25", "AIME 2025", "math_longcot_math_verify25")])
+def test_aime_files(name, source, row_source, tmp_path):
+    path = resolve_dataset(name)
+    assert path == BUNDLED_DIR / f"{name}.jsonl" and path.is_file() and EVAL_SETS[name].data_source == source
     lines = [ln for ln in path.read_text().splitlines() if ln.strip()]
-    probs = load_problems(path)
+    # by name and by the bundled file's path: the readable source name, not the rows' verl routing key
+    probs = load_problems(name)
+    assert load_problems(path) == probs
     assert len(probs) == 30 and len({p.id for p in probs}) == 30
     assert all(p.data_source == source for p in probs)
+    assert all(json.loads(ln)["data_source"] == row_source for ln in lines)  # the files stay as released
+    assert [p.data_source for p in load_problems(name, data_source="mine")] == ["mine"] * 30
     # The released files hold 30 prompts x 32 copies (960 rows); a deduplicated copy holds 30 rows.
     assert sum(p.copies for p in probs) == len(lines)
     assert len({p.copies for p in probs}) == 1
@@ -227,6 +231,7 @@ def test_aime_files(name, source, tmp_path):
         probs32 = load_problems(write_x32(path, tmp_path / f"{name}_x32_{layout}.jsonl", layout))
         assert [p.id for p in probs32] == [p.id for p in probs]
         assert all(p.copies == 32 for p in probs32)
+        assert all(p.data_source == row_source for p in probs32)  # a copy elsewhere is a user file
     # AIME answers are integers 0..999, written canonically (no sign, no leading zeros, no spaces)
     assert all(re.fullmatch(r"0|[1-9][0-9]{0,2}", p.answer) for p in probs), [p.answer for p in probs]
     # Smoke check only: strict mode returns True on an exact string match of the boxed content, so a
@@ -238,3 +243,31 @@ def test_aime_files(name, source, tmp_path):
 
     assert all(verify(parse(f"\\boxed{{{p.answer}}}"), parse(f"The answer is \\boxed{{{p.answer}}}."))
                for p in probs)
+
+
+def test_file_wins_over_a_set_name(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    # a file named like a set is read as the file: by a path with a suffix, and by the bare name
+    write_jsonl(tmp_path / "aime24.jsonl", [verl_row(gt="7")])
+    probs = load_problems("aime24.jsonl")
+    assert len(probs) == 1 and probs[0].answer == "7" and probs[0].data_source == "math_src"
+    write_jsonl(tmp_path / "aime25", [verl_row()])
+    with pytest.raises(DatasetError, match=r"^aime25: unknown extension ''"):
+        load_problems("aime25")
+    # a directory of that name does not hide the set
+    (tmp_path / "aime24").mkdir()
+    assert len(load_problems("aime24")) == 30
+
+
+def test_unknown_name_lists_the_bundled_sets():
+    assert resolve_dataset("aime23") is None and resolve_dataset("aime24.jsonl") is None
+    with pytest.raises(DatasetError, match=r"^aime23: file not found \(nor the name of a bundled evaluation "
+                                           r"set: aime24, aime25\)"):
+        load_problems("aime23")
+
+
+def test_config_test_path_names_a_bundled_set(tiny_config):
+    from cegppo.engine.trainer import load_splits
+
+    _, test = load_splits(tiny_config("data.test_path=aime25"))
+    assert len(test) == 4 and {p.data_source for p in test} == {"AIME 2025"}

@@ -3,7 +3,6 @@ import math
 
 import pytest
 import torch
-from conftest import SHARED_DATA
 
 from cegppo.reporting.compare import compare_runs
 from cegppo.data.problems import Problem, load_problems
@@ -94,17 +93,17 @@ def test_compare_writes_plots_and_table(tiny_config, tmp_path):
     assert all(p.stat().st_size > 1000 for p in paths if p.suffix == ".png")
 
 
-@pytest.mark.skipif(not (SHARED_DATA / "aime24.jsonl").exists(), reason="../shared/data not present")
 def test_eval_cli_on_task_and_dataset_file(tmp_path, capsys):
     from cegppo.cli import main
+    from cegppo.data.evalsets import resolve_dataset
 
     out = tmp_path / "res.jsonl"
-    rc = main(["eval", "--model", "tiny", "--data", "arithmetic", str(SHARED_DATA / "aime24.jsonl"), "--k", "2",
+    rc = main(["eval", "--model", "tiny", "--data", "arithmetic", str(resolve_dataset("aime24")), "--k", "2",
                "--num-problems", "3", "--max-new-tokens", "8", "--dtype", "float32", "--out", str(out)])
     assert rc == 0
     rows = [json.loads(line) for line in out.read_text().splitlines()]
     assert len(rows) == 6 and all(r["k"] == 2 and len(r["responses"]) == 2 for r in rows)
     summary = json.loads(out.with_suffix(".summary.json").read_text())
-    assert set(summary) == {"arithmetic", "math_longcot_math_verify"}
+    assert set(summary) == {"arithmetic", "AIME 2024"}
     printed = capsys.readouterr().out
     assert "avg@2" in printed and "pass@2" in printed and "maj@2" in printed

@@ -14,6 +14,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterator
 
+from cegppo.data.evalsets import EVAL_SETS, bundled_source, resolve_dataset
+
 log = logging.getLogger(__name__)
 
 SCHEMAS = ("auto", "verl", "plain")
@@ -242,20 +244,28 @@ def _parse_row(loc: str, row: Any, schema: str, keys: dict[str, str | None], def
 def load_problems(path: str | Path, *, schema: str = "auto", prompt_key: str | None = None,
                   answer_key: str | None = None, id_key: str | None = None, data_source: str | None = None,
                   dedupe: bool = True, solution_key: str | None = None) -> list[Problem]:
-    """Load problems from a local .jsonl / .json / .parquet file.
+    """Load problems from a local .jsonl / .json / .parquet file, or a bundled evaluation set by name.
+
+    path: a file, or the name of a set in `cegppo.data.evalsets.EVAL_SETS` (`aime24`, `aime25`); an
+    existing file always wins over a name.
 
     schema: "verl" (prompt=list of messages, reward_model.ground_truth, data_source), "plain"
     (question|problem, answer, optional solution and id) or "auto" (detected from the first row).
     Keys may be dotted paths into nested objects. Rows with identical messages and answer are merged
     (copies counted) when dedupe=True; the same prompt with two different answers is always an error.
-    Without an id column the id is `prompt_id(messages)`. data_source: argument, else the row's
-    'data_source', else the file stem.
+    Without an id column the id is `prompt_id(messages)`. data_source: argument, else the bundled set's
+    readable name ("AIME 2024") for a bundled file, else the row's 'data_source', else the file stem.
     """
     path = Path(path)
+    if not path.is_file():  # an existing file wins over a bundled set's name
+        path = resolve_dataset(str(path)) or path
+    if data_source is None:
+        data_source = bundled_source(path)
     if schema not in SCHEMAS:
         raise ValueError(f"schema must be one of {SCHEMAS}, got {schema!r}")
     if not path.exists():
-        raise DatasetError(f"{path}: file not found")
+        raise DatasetError(f"{path}: file not found (nor the name of a bundled evaluation set: "
+                           f"{', '.join(EVAL_SETS)})")
     if not path.is_file():
         raise DatasetError(f"{path}: not a file")
     reader = _READERS.get(path.suffix.lower())
