@@ -1,91 +1,131 @@
-"""``cegppo compare RUN_DIR... --out DIR``: one PNG per quantity (a line per run) and a markdown table."""
+"""``cegppo compare RUN_DIR... --out DIR``: ``compare.png`` (every panel), one ``<metric>.png`` per quantity (a
+line per run) and ``summary.md``."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
-from cegppo.io import atomic_write_text, read_jsonl
-from cegppo.reporting.plots import COMPARE_PANELS, EVAL_TAGS, _plt, _save, _series, run_label
+from cegppo.algorithm.diagnostics import QUADRANTS
+from cegppo.io import atomic_write_text
+from cegppo.reporting.plots import (
+    ACCURACY_LABEL, BETA_KEYS, BETA_LABEL, ENTROPY_LABEL, EVAL_TAGS, PERCENT_LABEL, REWARD_LABEL, TAG_MARKERS, Run,
+    draw_betas, draw_held_out, legend_right, log_if_spread, pyplot, save_png, series, style, wrap,
+)
+
+HELD_OUT = "val/accuracy"  # drawn from eval.jsonl (every tag), not only the metrics' periodic val/accuracy
+BETAS = "control/beta"  # both controller betas in one panel
+DH_LABEL = "first-order entropy change\nper token (nats per unit step)"
+QUADRANT_NAMES = {"PA_HP": "A>0, high-p", "PA_LP": "A>0, low-p", "NA_HP": "A<0, high-p", "NA_LP": "A<0, low-p"}
+PANELS = [
+    ("entropy", "Rollout policy entropy", ENTROPY_LABEL),
+    ("reward/mean", "Train reward", REWARD_LABEL),
+    ("reward/accuracy", "Train accuracy (rollouts)", ACCURACY_LABEL),
+    (HELD_OUT, "Held-out accuracy", ACCURACY_LABEL),
+    ("clip/low_frac", "β1 region: A<0, r<1−eps_low", PERCENT_LABEL),
+    ("clip/high_frac", "β2 region: A>0, r>1+eps_high", PERCENT_LABEL),
+] + [(f"quadrant/{q}/dH", f"dH of {q} tokens ({QUADRANT_NAMES[q]})", DH_LABEL) for q in QUADRANTS]
+BETA_PANEL = (BETAS, "Controller β1 (solid), β2 (dashed)", BETA_LABEL)
 
 
-def _eval_series(run: Path) -> tuple[list[int], list[float]]:
-    evals = [e for e in read_jsonl(run / "eval.jsonl") if e.get("tag") in EVAL_TAGS]
-    pts = sorted({e["step"]: e["accuracy"] for e in evals}.items())
-    return [p[0] for p in pts], [p[1] for p in pts]
+def has_data(runs: list[Run], key: str) -> bool:
+    if key == HELD_OUT:
+        return any(r.evals for r in runs)
+    return any(r.has(*(BETA_KEYS if key == BETAS else (key,))) for r in runs)
+
+
+def draw_panel(ax, runs: list[Run], key: str, title: str, ylabel: str) -> None:
+    for i, run in enumerate(runs):
+        color = f"C{i % 10}"
+        if key == HELD_OUT:
+            draw_held_out(ax, run, color=color)
+        elif key == BETAS:
+            draw_betas(ax, run, color=color)
+        else:
+            xs, ys = series(run.rows, key)
+            ax.plot(xs, [100 * y for y in ys] if key.startswith("clip/") else ys, color=color, lw=1.2)
+    style(ax, title, ylabel)
+    if key == "entropy":
+        log_if_spread(ax, [v for r in runs for v in series(r.rows, key)[1]])
+    if key.endswith("/dH"):
+        ax.axhline(0.0, color="grey", lw=0.6)
+    if key in (HELD_OUT, BETAS) and ax.has_data():  # markers / line styles, in black: colours are the runs
+        from matplotlib.lines import Line2D
+
+        if key == HELD_OUT:
+            tags = [t for t in EVAL_TAGS if any(e["tag"] == t for r in runs for e in r.evals)]
+            handles = [Line2D([], [], ls="none", marker=TAG_MARKERS[t], color="white", mec="black", label=t)
+                       for t in tags]
+        else:
+            handles = [Line2D([], [], color="black", ls=ls, label=b) for ls, b in (("-", "β1"), ("--", "β2"))]
+        legend_right(ax, handles=handles, title="eval tag" if key == HELD_OUT else None)
+
+
+def compare_figure(runs: list[Run], keys: list[str] | None = None):
+    """All panels (or those named in ``keys``), one colour per run; the run legend below the panels."""
+    from matplotlib.lines import Line2D
+
+    panels = PANELS + ([BETA_PANEL] if has_data(runs, BETAS) else [])
+    panels = [p for p in panels if keys is None or p[0] in keys]
+    cols = min(4, len(panels))
+    nrows = -(-len(panels) // cols)
+    size = (7, 4.2) if cols == 1 else (4.8 * cols, 3.3 * nrows)
+    fig, axes = pyplot().subplots(nrows, cols, figsize=(size[0], size[1] + 0.4 * len(runs)), layout="constrained",
+                                  squeeze=False)
+    for ax, panel in zip(axes.flat, panels):
+        draw_panel(ax, runs, *panel)
+    for ax in list(axes.flat)[len(panels):]:
+        ax.remove()
+    handles = [Line2D([], [], color=f"C{i % 10}", lw=2, label=wrap(r.label, 70 if cols == 1 else 90))
+               for i, r in enumerate(runs)]
+    fig.legend(handles=handles, loc="outside lower center", ncol=1 if cols == 1 else min(len(runs), 2), fontsize=8)
+    if cols > 1:
+        fig.suptitle(f"{len(runs)} runs compared")
+    return fig
 
 
 def compare_runs(runs: list[Path], out: Path) -> list[Path]:
-    """Write ``compare.png`` (all panels), one ``<metric>.png`` per panel, and ``summary.md``; return the paths."""
+    """Write ``compare.png`` (all panels), one ``<metric>.png`` per panel with data, and ``summary.md``."""
     for r in runs:
         if not (r / "metrics.jsonl").is_file():
             raise FileNotFoundError(f"{r} is not a cegppo run directory (no metrics.jsonl)")
     out.mkdir(parents=True, exist_ok=True)
-    plt = _plt()
-    data = {r: read_jsonl(r / "metrics.jsonl") for r in runs}
-    evals = {r: _eval_series(r) for r in runs}
-    labels = {r: run_label(r) for r in runs}
+    plt = pyplot()
+    loaded = [Run.load(r) for r in runs]
     written = []
-
-    def draw(ax, key: str, title: str) -> bool:
-        any_data = False
-        for r in runs:
-            xs, ys = evals[r] if key == "val/accuracy" else _series(data[r], key)
-            if xs:
-                any_data = True
-                ax.plot(xs, ys, marker="o" if key == "val/accuracy" else None, ms=3, label=labels[r])
-        if key.endswith("/dH"):
-            ax.axhline(0.0, color="grey", lw=0.6)
-        ax.set(title=title, xlabel="RL step")
-        return any_data
-
-    cols = 4
-    rows_n = -(-len(COMPARE_PANELS) // cols)
-    fig, axes = plt.subplots(rows_n, cols, figsize=(5 * cols, 3.6 * rows_n))
-    for ax, (key, title) in zip(axes.flat, COMPARE_PANELS):
-        draw(ax, key, title)
-    for ax in list(axes.flat)[len(COMPARE_PANELS):]:
-        ax.axis("off")
-    handles, lbls = axes.flat[0].get_legend_handles_labels()
-    fig.legend(handles, lbls, loc="lower center", ncol=min(len(runs), 3), fontsize=9)
-    fig.tight_layout(rect=(0, 0.06, 1, 1))
-    written.append(_save(fig, out / "compare.png"))
-    plt.close(fig)
-    for key, title in COMPARE_PANELS:
-        fig, ax = plt.subplots(figsize=(6.5, 4))
-        if draw(ax, key, title):
-            ax.legend(fontsize=8)
-            written.append(_save(fig, out / (key.replace("/", "_") + ".png")))
+    for name, keys in [("compare", None)] + [(k.replace("/", "_"), [k]) for k, *_ in PANELS + [BETA_PANEL]
+                                             if has_data(loaded, k)]:
+        fig = compare_figure(loaded, keys)
+        written.append(save_png(fig, out / f"{name}.png"))
         plt.close(fig)
-    written.append(summary_table(runs, data, evals, labels, out / "summary.md"))
+    written.append(summary_table(loaded, out / "summary.md"))
     return written
 
 
-def summary_table(runs: list[Path], data: dict, evals: dict, labels: dict, path: Path) -> Path:
-    def last(rows, key):
-        vals = _series(rows, key)[1]
-        return vals[-1] if vals else None
+def summary_table(runs: list[Run], path: Path) -> Path:
+    def fmt(v, scale=1.0):
+        return "-" if v is None else f"{scale * v:.4g}"
 
-    def mean(rows, key):
-        vals = _series(rows, key)[1]
+    def mean(vals):
         return sum(vals) / len(vals) if vals else None
 
-    def fmt(v):
-        return "-" if v is None else f"{v:.4g}"
-
     lines = [
-        "| run | steps | entropy first -> last | reward last | held-out acc (first -> last) | beta1-region share (mean) "
-        "| beta2-region share (mean) | dH NA_LP / PA_LP (mean) |",
+        "| run | steps | entropy first -> last (nats/token) | reward last | held-out acc base -> warm-start -> final "
+        "| β1-region % of tokens (mean) | β2-region % of tokens (mean) | dH NA_LP / PA_LP (mean) |",
         "|---|---|---|---|---|---|---|---|",
     ]
-    for r in runs:
-        rows = data[r]
-        accs = evals[r][1]
-        entropies = _series(rows, "entropy")[1]
-        first_h = entropies[0] if entropies else None
+    for run in runs:
+        col = {k: series(run.rows, k)[1] for k in ("entropy", "reward/mean", "clip/low_frac", "clip/high_frac",
+                                                  "quadrant/NA_LP/dH", "quadrant/PA_LP/dH")}
+        h, rew = col["entropy"], col["reward/mean"]
+        final = run.accuracy("final")
+        if final is None:  # no final eval: the last periodic one
+            final = run.accuracy("periodic")
         lines.append(
-            f"| {labels[r]} | {len(rows)} | {fmt(first_h)} -> {fmt(last(rows, 'entropy'))} | {fmt(last(rows, 'reward/mean'))} "
-            f"| {fmt(accs[0] if accs else None)} -> {fmt(accs[-1] if accs else None)} | {fmt(mean(rows, 'clip/low_frac'))} "
-            f"| {fmt(mean(rows, 'clip/high_frac'))} | {fmt(mean(rows, 'quadrant/NA_LP/dH'))} / {fmt(mean(rows, 'quadrant/PA_LP/dH'))} |"
+            f"| {run.label} | {len(run.rows)} | {fmt(h[0] if h else None)} -> {fmt(h[-1] if h else None)} "
+            f"| {fmt(rew[-1] if rew else None)} "
+            f"| {fmt(run.accuracy('base'))} -> {fmt(run.accuracy('warm-start'))} -> {fmt(final)} "
+            f"| {fmt(mean(col['clip/low_frac']), 100)} | {fmt(mean(col['clip/high_frac']), 100)} "
+            f"| {fmt(mean(col['quadrant/NA_LP/dH']))} / {fmt(mean(col['quadrant/PA_LP/dH']))} |"
         )
     atomic_write_text(path, "\n".join(lines) + "\n")
     return path
