@@ -1,4 +1,4 @@
-"""The paper's entropy mechanism, measured where it can be (issue 5; ECOSYSTEM.md Part C explains the design).
+"""The paper's entropy mechanism, measured where it can be (issue 5: a per-update design, since whole CPU runs are too short and too noisy to show it).
 
     python benchmarks/reproduce_entropy.py                 # CPU scale: part A (K=20 batches) + part B (short runs)
     python benchmarks/reproduce_entropy.py --part A --batches 5 --quick    # a smoke test

@@ -60,3 +60,21 @@ def ppo_clip_where(log_prob, old_log_prob, advantages, eps_low=0.2, eps_high=0.2
     if c is not None:
         loss = torch.where(adv < 0, torch.minimum(loss, -adv * c), loss)
     return loss
+
+
+def cispo_autograd(log_prob, old_log_prob, advantages, eps_low=0.2, eps_high=0.28):
+    """MiniMax-M1's CISPO as written there: -sg(clip(r)) * A * log pi."""
+    adv = _adv(advantages, log_prob)
+    ratio = torch.exp((log_prob - old_log_prob).clamp(-CLAMP, CLAMP))
+    return -(ratio.clamp(1 - eps_low, 1 + eps_high).detach() * adv * log_prob)
+
+
+def gspo_token(log_prob, old_log_prob, advantages, mask, eps_low=3e-4, eps_high=4e-4):
+    """GSPO-token as in the Qwen paper and verl's ``gspo`` loss: s_i,t = sg(s_i) * pi / sg(pi), then PPO's max of
+    the clipped and unclipped surrogates (no dual clip)."""
+    adv = _adv(advantages, log_prob)
+    log_r = (log_prob - old_log_prob).clamp(-CLAMP, CLAMP)
+    m = mask.to(log_prob.dtype)
+    seq = (log_r * m).sum(-1, keepdim=True) / m.sum(-1, keepdim=True).clamp(min=1.0)
+    s = torch.exp(seq.detach() + log_prob - log_prob.detach())
+    return torch.maximum(-adv * s, -adv * s.clamp(1 - eps_low, 1 + eps_high))

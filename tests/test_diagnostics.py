@@ -40,7 +40,7 @@ def test_first_order_dH_matches_true_entropy_change(ratio, adv, objective):
 
 
 def test_quadrant_signs_on_hand_built_batch():
-    """PA&LP and NA&HP raise entropy; PA&HP and NA&LP lower it (ALGORITHM.md 6.1)."""
+    """PA&LP and NA&HP raise entropy; PA&HP and NA&LP lower it (docs/algorithm.md §6.1)."""
     V = 20
     z = torch.zeros(4, V)
     z[:, 0] = 4.0  # token 0 dominant (p ~ 0.74), the others rare

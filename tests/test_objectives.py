@@ -19,7 +19,7 @@ def float64_by_default():
 
 
 def one_token(obj, ratio, adv):
-    """(loss value, dJ/dlogp) for a single token, as in ALGORITHM.md 3.6."""
+    """(loss value, dJ/dlogp) for a single token, in the regions of docs/algorithm.md §2.2."""
     lp = torch.tensor([[math.log(ratio)]], requires_grad=True)
     old = torch.zeros(1, 1)
     loss = obj.token_loss(lp, old, torch.tensor([adv]), torch.ones(1, 1))
@@ -27,7 +27,7 @@ def one_token(obj, ratio, adv):
     return loss.item(), -lp.grad.item()
 
 
-# ALGORITHM.md 3.6: ratio, A, PPO (loss, dJ), CE-GPPO .75/1 (loss, dJ), CE-GPPO .5/1 (loss, dJ), clipfrac, lower
+# docs/algorithm.md §2.2: ratio, A, PPO (loss, dJ), CE-GPPO .75/1 (loss, dJ), CE-GPPO .5/1 (loss, dJ), clipfrac, lower
 TABLE = [
     (0.70, -1, (0.80, 0), (0.60, -0.60), (0.40, -0.40)),
     (0.70, +1, (-0.70, 0.70), (-0.70, 0.70), (-0.70, 0.70)),
@@ -233,3 +233,45 @@ def test_metrics_are_tensors_and_region_fractions_correct():
     assert m["clip/high_frac"].item() == pytest.approx(1 / 6)
     assert m["clip/dual_frac"].item() == pytest.approx(1 / 6)
     assert m["ppo_kl"].item() == pytest.approx(-lp.mean().item())
+
+
+@pytest.mark.parametrize("spread", [0.5, 1.5])
+def test_cispo_matches_minimax_formulation(spread):
+    lp, old, adv, mask = random_batch(spread=spread)
+    v1, g1 = grads(get_objective("cispo").token_loss, lp, old, adv, mask)
+    v2, g2 = grads(reference.cispo_autograd, lp, old, adv, 0.2, 0.28)
+    torch.testing.assert_close(v1, v2, rtol=0, atol=1e-12)
+    torch.testing.assert_close(g1, g2, rtol=0, atol=1e-12)
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_gspo_matches_the_papers_token_formulation(seed):
+    lp, old, adv, mask = random_batch(B=32, spread=0.004, seed=seed)  # sequence ratios on both sides of 1 +- eps
+    s = ((lp - old) * mask).sum(-1) / mask.sum(-1)
+    assert (s.abs() > 4e-4).any() and (s.abs() < 3e-4).any()
+    v1, g1 = grads(get_objective("gspo").token_loss, lp, old, adv, mask)
+    v2, g2 = grads(reference.gspo_token, lp, old, adv, mask)
+    torch.testing.assert_close(v1, v2, rtol=0, atol=1e-12)
+    torch.testing.assert_close(g1, g2, rtol=0, atol=1e-12)
+
+
+def test_registering_a_plain_autograd_objective():
+    """A new objective needs no hand-derived gradient: vanilla policy gradient, -A log pi."""
+    from cegppo.algorithm.objectives import OBJECTIVES, register_objective
+
+    def vanilla_pg(log_prob, old_log_prob, adv, mask, *, eps_low=0.2, eps_high=0.2):
+        return -adv * log_prob
+
+    register_objective("test_vanilla_pg", vanilla_pg, dict(eps_low=0.2, eps_high=0.2))
+    try:
+        lp, old, adv, mask = random_batch()
+        obj = get_objective("test_vanilla_pg")
+        x = lp.clone().requires_grad_(True)
+        loss, m = policy_loss(obj, x, old, adv, mask)
+        loss.backward()
+        torch.testing.assert_close(x.grad, -adv[:, None] * mask / mask.sum(), rtol=0, atol=1e-12)
+        F = obj.gradient_weight(lp, old, adv, mask)
+        torch.testing.assert_close(F, torch.ones_like(F), rtol=0, atol=1e-12)  # d J / d log pi = 1 * A
+        assert {"clip/low_frac", "clip/high_frac", "ppo_kl"} <= set(m)
+    finally:
+        del OBJECTIVES["test_vanilla_pg"]

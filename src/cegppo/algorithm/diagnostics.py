@@ -63,7 +63,7 @@ def region_metrics(bounds: ClipBounds, log_prob: Tensor, old_log_prob: Tensor, a
 def entropy_change_terms(
     grad_weight: Tensor, advantages: Tensor, token_prob: Tensor, entropy: Tensor, collision: Tensor
 ) -> Tensor:
-    """Per-token first-order entropy change (ALGORITHM.md 6.2), for a unit step on the logits:
+    """Per-token first-order entropy change (docs/algorithm.md §6.2), for a unit step on the logits:
 
     ``dH_t = -F_t * A_t * (pi_t * (log pi_t + H_t) - C_t)``,  ``C_t = sum_b pi_b^2 (log pi_b + H_t)``.
 

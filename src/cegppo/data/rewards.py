@@ -83,7 +83,7 @@ def math_reward(completion: str, ground_truth: str, *, mode: str = "strict") -> 
     """Is `completion` correct for `ground_truth`?
 
     strict: only the content of the last \\boxed{...} counts; no box or an empty box is wrong.
-    lenient: math-verify's own extraction on the whole completion (ALGORITHM §5.2: last boxed answer,
+    lenient: math-verify's own extraction on the whole completion (the authors' reward: last boxed answer,
     else last LaTeX/number), plus an exact string match of the gold. The paper's reward.
     """
     if mode not in MODES:

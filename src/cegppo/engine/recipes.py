@@ -11,6 +11,7 @@ from pathlib import Path
 import torch
 
 from cegppo.config import Config
+from cegppo.data.evalsets import resolve_dataset
 from cegppo.data.problems import Problem, load_problems
 from cegppo.data.tasks import make_task
 from cegppo.engine.components import build_policy, build_reward, load_splits
@@ -96,10 +97,11 @@ class EvalRequest:
 
 
 def eval_problems(req: EvalRequest) -> list[Problem]:
-    """Each dataset file or task of ``req.data``, de-duplicated on load, then limited to ``num_problems``."""
+    """Each dataset (a file or a bundled eval set such as ``aime24``) or built-in task of ``req.data``,
+    de-duplicated on load, then limited to ``num_problems``."""
     problems = []
     for spec in req.data:
-        if Path(spec).exists() or spec.endswith((".jsonl", ".json", ".parquet")):
+        if Path(spec).is_file() or resolve_dataset(spec) is not None or spec.endswith((".jsonl", ".json", ".parquet")):
             loaded = load_problems(spec)
         else:
             loaded = make_task(spec, "test", req.num_problems or 64, seed=req.seed, difficulty=req.difficulty)
