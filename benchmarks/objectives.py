@@ -2,10 +2,10 @@
 
     python benchmarks/objectives.py [--batch 64] [--tokens 8192] [--repeats 20]
 
-Rows: every registered objective (``cegppo.algorithm.objectives``); ``ce_gppo`` with ``compile=True``, which on CPU
-runs the hand-fused C kernel of ``cegppo.kernels``, and the same call with that kernel switched off
-(``CEGPPO_CPU_KERNEL=0``: Inductor's fused kernel); the authors'-shape boolean-mask CE-GPPO
-(``reference.ce_gppo_masked``); the plain ``torch.where`` + autograd CE-GPPO (``ce_gppo_where``); and
+Rows: every registered objective through :func:`cegppo.algorithm.policy_loss.policy_loss` (loss, token-mean
+and region metrics, as the trainer calls it) and through ``token_loss`` alone; the authors'-shape boolean-mask
+CE-GPPO (``tests/reference.py: ce_gppo_masked``); the plain ``torch.where`` + autograd CE-GPPO
+(``ce_gppo_where``: what ``ce_gppo`` would be without its closed-form gradient); and
 the memory-bandwidth floor: the bytes any forward + backward of the loss must move (read log_prob,
 old_log_prob, the mask and the [B] advantages; write the [B, T] gradient: 4 passes of B x T fp32) divided by
 the copy bandwidth, timed as a copy of that many bytes. All rows and the floor are timed round-robin in
@@ -15,18 +15,22 @@ the same process (medians per call) and reported as ratios, so the machine's dri
 from __future__ import annotations
 
 import argparse
-import os
+import json
 import statistics
+import subprocess
+import sys
 import time
+from pathlib import Path
 
 import torch
 
-import reference
-from cegppo.algorithm.objectives import OBJECTIVES, get_objective
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))  # the reference formulations
+import reference  # noqa: E402
+from cegppo.algorithm.objectives import OBJECTIVES, get_objective  # noqa: E402
+from cegppo.algorithm.policy_loss import policy_loss  # noqa: E402
 
-
-FUSED = "ce_gppo [compile=True, C kernel]"
 FLOOR = "memory-bandwidth floor"
+RESULTS = Path(__file__).resolve().parent / "results" / "objectives.json"
 
 
 def time_interleaved(fns: dict[str, callable], rounds: int, batch_seconds: float = 0.005) -> dict[str, float]:
@@ -69,7 +73,6 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=8192)
     ap.add_argument("--repeats", type=int, default=20, help="timing rounds (each a ~5 ms batch of calls per row)")
     ap.add_argument("--threads", type=int, default=None)
-    ap.add_argument("--no-compile", action="store_true", help="skip the compile=True rows")
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -93,7 +96,7 @@ def main() -> None:
     def run_objective(obj):
         def step():
             lp = lp0.detach().requires_grad_(True)
-            loss, _ = obj(lp, old, adv, mask, agg="token-mean", num_tokens=n_tok)
+            loss, _ = policy_loss(obj, lp, old, adv, mask, agg="token-mean", num_tokens=n_tok)
             loss.backward()
             return lp.grad
 
@@ -102,27 +105,7 @@ def main() -> None:
     rows: list[tuple[str, callable]] = []
     for name in OBJECTIVES:
         rows.append((name, run_objective(get_objective(name))))
-    if not args.no_compile:
-        t0 = time.perf_counter()
-        if kernels.available():
-            print(f"C kernel ready in {time.perf_counter() - t0:.2f} s (built on first use, then loaded from the cache)")
-            rows.append((FUSED, run_objective(get_objective("ce_gppo", compile=True))))
-        else:
-            print("no C-kernel row: the kernel cannot be built here (see the warning above)")
-
-        inductor = run_objective(get_objective("ce_gppo", compile=True))
-
-        def torch_compiled():  # the same call with the C kernel switched off: Inductor's fused kernel
-            os.environ["CEGPPO_CPU_KERNEL"] = "0"
-            try:
-                return inductor()
-            finally:
-                del os.environ["CEGPPO_CPU_KERNEL"]
-
-        t0 = time.perf_counter()
-        torch_compiled()
-        print(f"torch.compile'd ce_gppo in {time.perf_counter() - t0:.1f} s (one-off)")
-        rows.append(("ce_gppo [compile=True, CEGPPO_CPU_KERNEL=0]", torch_compiled))
+    rows.append(("ce_gppo [token_loss only]", run(lambda lp: get_objective("ce_gppo").token_loss(lp, old, adv, mask))))
     rows.append(("ce_gppo [boolean-mask, authors' shape]", run(lambda lp: reference.ce_gppo_masked(lp, old, adv))))
     rows.append(("ce_gppo [torch.where + autograd]", run(lambda lp: reference.ce_gppo_where(lp, old, adv))))
 
@@ -136,22 +119,27 @@ def main() -> None:
     copy_bw = floor_bytes / floor_s
 
     mem = {name: peak_bytes(fn) for name, fn in rows}
-    ours = results.get(FUSED, results["ce_gppo"])
+    ours = results["ce_gppo [token_loss only]"]
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, B x T = {B} x {T} = {B*T:,} tokens")
     print(f"copy bandwidth {copy_bw/1e9:.1f} GB/s -> floor {floor_bytes/1e6:.1f} MB = {floor_s*1e3:.2f} ms\n")
-    print(f"| {'objective (fwd+bwd, token-mean)':42s} | {'ms':>8s} | {'vs fastest':>10s} | {'vs floor':>8s} | {'peak MB':>8s} |")
-    print(f"|{'-'*44}|{'-'*10}|{'-'*12}|{'-'*10}|{'-'*10}|")
+    print(f"| {'objective (fwd+bwd, token-mean)':42s} | {'ms':>8s} | {'vs ours':>8s} | {'vs floor':>8s} | {'peak MB':>8s} |")
+    print(f"|{'-'*44}|{'-'*10}|{'-'*10}|{'-'*10}|{'-'*10}|")
     for name, _ in rows:
         t = results[name]
-        print(f"| {name:42s} | {t*1e3:8.2f} | {t/ours:9.2f}x | {t/floor_s:7.2f}x | {mem[name]/2**20:8.1f} |")
-    print(f"| {FLOOR:42s} | {floor_s*1e3:8.2f} | {floor_s/ours:9.2f}x | {1.0:7.2f}x | {'':>8s} |")
+        print(f"| {name:42s} | {t*1e3:8.2f} | {t/ours:7.2f}x | {t/floor_s:7.2f}x | {mem[name]/2**20:8.1f} |")
+    print(f"| {FLOOR:42s} | {floor_s*1e3:8.2f} | {floor_s/ours:7.2f}x | {1.0:7.2f}x | {'':>8s} |")
     masked = results["ce_gppo [boolean-mask, authors' shape]"]
     where = results["ce_gppo [torch.where + autograd]"]
-    for label, t in (("eager", results["ce_gppo"]), ("compile=True, C kernel", results.get(FUSED)),
-                     ("compile=True, torch.compile", results.get("ce_gppo [compile=True, CEGPPO_CPU_KERNEL=0]"))):
-        if t is not None:
-            print(f"ce_gppo ({label}): {masked/t:.1f}x faster than boolean-mask, {where/t:.1f}x faster than "
-                  f"torch.where+autograd, {t/floor_s:.2f}x the bandwidth floor")
+    print(f"ce_gppo token loss (closed-form gradient): {masked/ours:.1f}x faster than boolean-mask, {where/ours:.1f}x "
+          f"faster and {mem['ce_gppo [torch.where + autograd]'] / max(mem['ce_gppo [token_loss only]'], 1):.1f}x less "
+          f"peak memory than torch.where+autograd, {ours/floor_s:.1f}x the bandwidth floor")
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+    RESULTS.write_text(json.dumps({
+        "commit": commit, "command": "python " + " ".join(sys.argv), "torch": torch.__version__,
+        "threads": torch.get_num_threads(), "batch": B, "tokens": T, "floor_ms": floor_s * 1e3,
+        "rows": {name: {"ms": results[name] * 1e3, "peak_mb": mem[name] / 2**20} for name, _ in rows},
+    }, indent=2) + "\n")
+    print(f"results: {RESULTS}")
 
 
 if __name__ == "__main__":

@@ -37,7 +37,7 @@ class ScriptedEngine:
     def __init__(self, responses: dict[str, list[str]]):
         self.responses = responses
 
-    def generate(self, prompts, n, sampling):
+    def generate(self, prompts, n, sampling, on_token=None):
         texts = [self.responses[p[-1]["content"]][i] for p in prompts for i in range(n)]
         B = len(texts)
         return RolloutBatch(torch.zeros(B, 2, dtype=torch.long), torch.ones(B, 2, dtype=torch.long),

@@ -128,6 +128,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.command is None:  # `cegppo` alone runs the quickstart too
         args = build_parser().parse_args(["train"])
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    from cegppo.reporting.progress import quiet_third_party_bars
+
+    quiet_third_party_bars()  # our own bars name every phase; transformers' would break into them
     from cegppo.config import ConfigError
     from cegppo.data.problems import DatasetError
     from cegppo.engine.models import ModelLoadError

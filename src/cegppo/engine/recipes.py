@@ -21,6 +21,7 @@ from cegppo.engine.trainer import Trainer
 from cegppo.io import read_jsonl
 from cegppo.reporting.evaluation import EvalResult, evaluate
 from cegppo.reporting.plots import plot_run
+from cegppo.reporting.progress import Progress
 
 log = logging.getLogger("cegppo")
 
@@ -37,7 +38,7 @@ def run_training(cfg: Config, resume: bool = False) -> dict:
 
     def held_out(tag: str, label: str) -> None:
         if trainer.test_problems:
-            evals[tag] = trainer.log_eval(tag, trainer.evaluate())["accuracy"]
+            evals[tag] = trainer.log_eval(tag, trainer.evaluate(desc=f"eval ({label})"))["accuracy"]
             log.info("held-out accuracy %s: %.3f", label, evals[tag])
 
     if not trainer.state.get("warm_started"):
@@ -116,4 +117,9 @@ def run_eval(req: EvalRequest) -> EvalResult:
     # generation only: the engine runs on the loaded model itself, cast in place
     engine = HFRollout(model, tok, req.max_prompt_tokens, dtype=getattr(torch, req.dtype), copy=False)
     torch.manual_seed(req.seed)
-    return evaluate(engine, problems, reward, req.k, req.sampling, batch_prompts=req.batch_prompts)
+    progress = Progress("cegppo eval", len(problems), unit="problem")
+    try:
+        return evaluate(engine, problems, reward, req.k, req.sampling, batch_prompts=req.batch_prompts,
+                        progress=progress)
+    finally:
+        progress.close()

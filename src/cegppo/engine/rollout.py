@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from copy import deepcopy
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Callable, Protocol
 
 import torch
 from torch import Tensor
@@ -66,8 +66,12 @@ class RolloutBatch:
         )
 
 
+OnToken = Callable[[int, int], None]  # (tokens generated so far per sequence, max_new_tokens)
+
+
 class RolloutEngine(Protocol):
-    def generate(self, prompts: list[list[dict]], n: int, sampling: Sampling) -> RolloutBatch: ...
+    def generate(self, prompts: list[list[dict]], n: int, sampling: Sampling,
+                 on_token: OnToken | None = None) -> RolloutBatch: ...
 
     def sync(self, policy: torch.nn.Module) -> None: ...
 
@@ -98,6 +102,21 @@ def response_mask_from(responses: Tensor, eos: list[int]) -> tuple[Tensor, Tenso
     return (~seen_before).long(), ~is_eos.any(-1)
 
 
+class _TokenCounter:
+    """A ``generate`` streamer that only counts decoding steps (the first ``put`` is the prompt)."""
+
+    def __init__(self, on_token: OnToken, max_new_tokens: int):
+        self.on_token, self.max_new_tokens, self.calls = on_token, max_new_tokens, -1
+
+    def put(self, value: Tensor) -> None:
+        self.calls += 1
+        if self.calls:
+            self.on_token(self.calls, self.max_new_tokens)
+
+    def end(self) -> None:
+        self.calls = -1
+
+
 class HFRollout:
     """Hugging Face ``generate`` (KV cache, batched, left padding) on a copy of the policy (``copy=False``: on
     the policy itself, cast in place, for callers that only generate, like ``cegppo eval``)."""
@@ -116,7 +135,8 @@ class HFRollout:
             dst.copy_(src.detach())
 
     @torch.no_grad()
-    def generate(self, prompts: list[list[dict]], n: int, sampling: Sampling) -> RolloutBatch:
+    def generate(self, prompts: list[list[dict]], n: int, sampling: Sampling,
+                 on_token: OnToken | None = None) -> RolloutBatch:
         prompt_ids, prompt_mask = encode_prompts(self.tokenizer, prompts, self.max_prompt_tokens)
         prompt_ids, prompt_mask = prompt_ids.repeat_interleave(n, 0), prompt_mask.repeat_interleave(n, 0)
         kwargs = dict(
@@ -129,6 +149,8 @@ class HFRollout:
             kwargs.update(temperature=sampling.temperature, top_p=sampling.top_p, top_k=sampling.top_k or None)
         else:  # greedy: make sure no sampling defaults from generation_config leak in
             kwargs.update(temperature=None, top_p=None, top_k=None)
+        if on_token is not None:
+            kwargs["streamer"] = _TokenCounter(on_token, sampling.max_new_tokens)
         outs = []
         for s in range(0, prompt_ids.shape[0], self.max_batch):
             out = self.model.generate(

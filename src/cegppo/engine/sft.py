@@ -14,6 +14,7 @@ from cegppo.algorithm.logprobs import sequence_token_stats
 from cegppo.engine.models import autocast
 from cegppo.algorithm.objectives import aggregate
 from cegppo.engine.rollout import encode_prompts
+from cegppo.reporting.progress import Progress
 
 
 
@@ -52,12 +53,8 @@ def supervised_warmup(
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / max(1, cfg.warmup_steps)))
     model.train()
     losses = []
-    it = range(steps)
-    if progress:
-        from tqdm.auto import tqdm
-
-        it = tqdm(it, desc="cegppo sft", dynamic_ncols=True)
-    for _ in it:
+    bar = Progress("cegppo sft (warm-start)", steps, unit="step", enabled=progress)
+    for _ in range(steps):
         idx = torch.randint(len(problems), (cfg.batch_size,), generator=g).tolist()
         input_ids, attention, resp_mask = sft_batch(tokenizer, [problems[i] for i in idx])
         with autocast(precision, model):
@@ -69,7 +66,7 @@ def supervised_warmup(
         opt.step()
         sched.step()
         losses.append(loss.item())
-        if progress:
-            it.set_postfix(loss=f"{losses[-1]:.3f}")
+        bar.advance(1, loss=losses[-1], tokens=int(resp_mask.sum()))
+    bar.close()
     model.eval()
     return losses

@@ -27,6 +27,7 @@ from cegppo.engine.rollout import RolloutBatch, Sampling
 from cegppo.engine.rundir import RunDir, TrainingError
 from cegppo.faults import failpoint
 from cegppo.reporting.evaluation import EvalResult, evaluate
+from cegppo.reporting.progress import Progress
 
 log = logging.getLogger(__name__)
 
@@ -74,6 +75,7 @@ class Trainer:
         self.run.truncate_logs(self.state["step"], resumed=resume_from is not None)
         self.engine = build_rollout(cfg, self.model, self.tokenizer)
         self.run.save_config(cfg)
+        self.progress = Progress("cegppo train", cfg.train.steps, enabled=False)  # train() shows it
 
     # ---------------------------------------------------------------------------------------------------
     def step(self) -> dict:
@@ -85,12 +87,13 @@ class Trainer:
         acc, skipped = MetricAccumulator(), 0
         if exp is not None:
             self.model.train()
+            self.progress.phase("old log-probs")
             metrics["entropy"] = self.old_log_probs(exp)  # the rollout policy's log-probs, entropy (and reference)
-            rows = torch.arange(len(exp.rewards))
-            for _ in range(cfg.train.ppo_epochs):
-                for mb in rows.tensor_split(cfg.train.mini_batches):  # one optimizer step each; later ones off-policy
-                    if len(mb):
-                        skipped += not self.update(exp, mb, acc, step)
+            mini_batches = torch.arange(len(exp.rewards)).tensor_split(cfg.train.mini_batches) * cfg.train.ppo_epochs
+            for i, mb in enumerate(mini_batches, 1):  # one optimizer step per mini-batch; the later ones are off-policy
+                self.progress.phase(f"update {i}/{len(mini_batches)}")
+                if len(mb):
+                    skipped += not self.update(exp, mb, acc, step)
             self.engine.sync(self.model)  # the weights changed: copy them into the rollout engine
         metrics["lr"] = self.optimizer.param_groups[0]["lr"]
         self.scheduler.step()  # once per training step, as the authors' LambdaLR
@@ -116,8 +119,10 @@ class Trainer:
             problems = self.data.take(self.state["cursor"], cfg.train.gen_prompts_per_step or cfg.train.prompts_per_step)
             self.state["cursor"] += len(problems)
             torch.manual_seed(step_seed(cfg.train.seed, step, f"rollout{gen_batch}"))
+            self.progress.phase(f"generate {len(problems)} x {n}" + (f" (round {gen_batch + 1})" if gen_batch else ""))
             rollouts = self.engine.generate([p.messages for p in problems], n,
-                                            Sampling(r.temperature, r.top_p, r.top_k, r.max_new_tokens))
+                                            Sampling(r.temperature, r.top_p, r.top_k, r.max_new_tokens),
+                                            on_token=self.progress.token_heartbeat)
             failpoint("generation", step)
             graded = self.reward_fn(rollouts.texts, [p.answer for p in problems for _ in range(n)])
             for msg in graded.failure_messages:
@@ -163,7 +168,8 @@ class Trainer:
     def old_log_probs(self, exp: Experience) -> float:
         """Fill ``exp.old_log_prob`` (and ``ref_log_prob``) in micro-batches; return the rollouts' mean entropy."""
         lps, ents, refs = [], [], []
-        for rows in torch.arange(len(exp.rewards)).split(self.cfg.train.micro_batch_size):
+        for i, rows in enumerate(torch.arange(len(exp.rewards)).split(self.cfg.train.micro_batch_size)):
+            self.progress.heartbeat(f"{i * self.cfg.train.micro_batch_size}/{len(exp.rewards)} sequences")
             lp, ent, _ = self.token_stats(self.model, exp.rollouts, rows)
             lps.append(lp)
             ents.append(ent)
@@ -181,7 +187,8 @@ class Trainer:
         n_correct_tok = (mask[mb] * exp.correct[mb, None]).sum().clamp(min=1)
         self.optimizer.zero_grad(set_to_none=True)
         finite_loss = torch.tensor(True)
-        for rows in mb.split(self.cfg.train.micro_batch_size):
+        for i, rows in enumerate(mb.split(self.cfg.train.micro_batch_size)):
+            self.progress.heartbeat(f"{i * self.cfg.train.micro_batch_size}/{len(mb)} sequences")
             lp, ent, col = self.token_stats(self.model, exp.rollouts, rows, collision=True)
             loss, m = policy_loss(
                 self.objective, lp, exp.old_log_prob[rows], exp.advantages[rows], mask[rows], agg=a.agg,
@@ -203,13 +210,23 @@ class Trainer:
                     "loss" if not bool(finite_loss) else f"gradient norm ({float(grad_norm)})")
         return False
 
+    def generated_tokens(self, row: dict) -> float:
+        """Response tokens generated in the step of metrics ``row`` (every round of dynamic sampling)."""
+        t = self.cfg.train
+        return row["response_length/mean"] * row["train/num_gen_batches"] * self.cfg.rollout.n * (
+            t.gen_prompts_per_step or t.prompts_per_step)
+
     # ---------------------------------------------------------------------------------------------------
-    def evaluate(self, problems: list | None = None) -> EvalResult:
+    def evaluate(self, problems: list | None = None, desc: str = "eval") -> EvalResult:
         e = self.cfg.eval
-        problems = self.test_problems if problems is None else problems
+        problems = (self.test_problems if problems is None else problems)[: e.num_problems]
         torch.manual_seed(step_seed(self.cfg.train.seed, self.state["step"], "eval"))
-        return evaluate(self.engine, problems[: e.num_problems], self.reward_fn, e.k,
-                        Sampling(e.temperature, e.top_p, 0, e.max_new_tokens))
+        progress = Progress(f"cegppo {desc}", len(problems), unit="problem", enabled=self.cfg.logging.progress)
+        try:
+            return evaluate(self.engine, problems, self.reward_fn, e.k,
+                            Sampling(e.temperature, e.top_p, 0, e.max_new_tokens), progress=progress)
+        finally:
+            progress.close()
 
     def log_eval(self, tag: str, result: EvalResult) -> dict:
         row = {"step": self.state["step"], "tag": tag, "accuracy": result.headline("avg@k"),
@@ -224,26 +241,23 @@ class Trainer:
     def train(self, on_step=None) -> list[dict]:
         """Run to ``train.steps``, logging, validating and checkpointing; returns the metric rows written."""
         cfg, rows = self.cfg, []
-        bar = None
-        if cfg.logging.progress:
-            from tqdm.auto import tqdm
-
-            bar = tqdm(total=cfg.train.steps, initial=self.state["step"], desc="cegppo train", dynamic_ncols=True)
+        self.progress = Progress("cegppo train", cfg.train.steps, unit="step", enabled=cfg.logging.progress,
+                                 initial=self.state["step"])
         self.run.open_sinks(cfg)
         while self.state["step"] < cfg.train.steps:
             row = self.step()
             step = row["step"]
             if cfg.eval.every and step % cfg.eval.every == 0 and self.test_problems:
-                row["val/accuracy"] = self.log_eval("periodic", self.evaluate())["accuracy"]
+                row["val/accuracy"] = self.log_eval("periodic", self.evaluate(desc=f"eval at step {step}"))["accuracy"]
             self.run.log_metrics(row)
             rows.append(row)
-            if bar is not None:
-                bar.update(1)
-                bar.set_postfix(reward=f"{row['reward/mean']:.2f}", acc=f"{row['reward/accuracy']:.2f}",
-                                H=f"{row.get('entropy', float('nan')):.3f}",
-                                clip=f"{row.get('clip/low_frac', 0):.3f}/{row.get('clip/high_frac', 0):.3f}")
             if cfg.train.save_every and step % cfg.train.save_every == 0:
+                self.progress.phase("checkpoint")
                 self.save()
+            self.progress.advance(1, reward=row["reward/mean"], acc=row["reward/accuracy"], H=row.get("entropy", float("nan")),
+                                  clip=f"{100 * row.get('clip/low_frac', 0):.2f}%/{100 * row.get('clip/high_frac', 0):.2f}%",
+                                  gen_tok_s=self.generated_tokens(row) / max(row["time/rollout_s"], 1e-9),
+                                  step_s=row["time/step_s"])
             if on_step is not None:
                 on_step(self, row)
             if self.state["bad_steps"] >= cfg.train.max_bad_steps:
@@ -251,8 +265,7 @@ class Trainer:
                     f"{self.state['bad_steps']} consecutive steps had a non-finite loss or gradient (train.max_bad_steps="
                     f"{cfg.train.max_bad_steps}); stopping. Last checkpoint: "
                     f"{ckpt.latest_valid_checkpoint(self.run.checkpoints)}")
-        if bar is not None:
-            bar.close()
+        self.progress.close()
         saved = ckpt.list_checkpoints(self.run.checkpoints)
         if cfg.train.save_every and (not saved or saved[-1] != ckpt.step_dir(self.run.checkpoints, self.state["step"])):
             self.save()

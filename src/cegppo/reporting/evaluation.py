@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import math
+import time
 from collections import Counter, defaultdict
 from dataclasses import dataclass
 
 from cegppo.data.problems import Problem
 from cegppo.data.rewards import RewardFn, last_boxed
 from cegppo.engine.rollout import RolloutEngine, Sampling
+from cegppo.reporting.progress import Progress
 
 
 def pass_at_k(n: int, c: int, k: int) -> float:
@@ -52,13 +54,21 @@ def evaluate(
     k: int = 1,
     sampling: Sampling | None = None,
     batch_prompts: int = 16,
+    progress: Progress | None = None,
 ) -> EvalResult:
     """Sample ``k`` responses per (de-duplicated) problem and grade them."""
     sampling = sampling or Sampling(temperature=0.0)
     rows = []
+    t0, generated = time.perf_counter(), 0
     for s in range(0, len(problems), batch_prompts):
         chunk = problems[s : s + batch_prompts]
-        batch = engine.generate([p.messages for p in chunk], k, sampling)
+        if progress is not None:
+            progress.phase(f"generate {len(chunk)} x {k}")
+        batch = engine.generate([p.messages for p in chunk], k, sampling,
+                                on_token=progress.token_heartbeat if progress is not None else None)
+        generated += int(batch.response_mask.sum())
+        if progress is not None:
+            progress.advance(len(chunk), tok_s=generated / (time.perf_counter() - t0))
         graded = reward_fn(batch.texts, [p.answer for p in chunk for _ in range(k)])
         for i, p in enumerate(chunk):
             texts = batch.texts[i * k : (i + 1) * k]
