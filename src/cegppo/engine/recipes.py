@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import logging
 import resource
+import subprocess
+import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -28,6 +30,24 @@ log = logging.getLogger("cegppo")
 
 def peak_rss_mb() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def provenance() -> dict:
+    """What produced a result: the command line, cegppo's version and, in a git checkout, the commit."""
+    from importlib.metadata import version
+
+    src = Path(__file__).resolve().parents[3]  # the checkout, when cegppo runs from one (pip install -e)
+    commit, dirty = None, False
+    if (src / ".git").exists():
+        try:
+            commit = subprocess.run(["git", "-C", str(src), "rev-parse", "HEAD"], capture_output=True, text=True,
+                                    timeout=10).stdout.strip() or None
+            dirty = bool(subprocess.run(["git", "-C", str(src), "status", "--porcelain", "--untracked-files=no"],
+                                        capture_output=True, text=True, timeout=10).stdout.strip())
+        except (OSError, subprocess.SubprocessError):
+            pass
+    return {"command": " ".join(["cegppo", *sys.argv[1:]]) if Path(sys.argv[0]).name == "cegppo" else " ".join(sys.argv),
+            "cegppo_version": version("cegppo"), "commit": commit, "uncommitted_changes": dirty}
 
 
 def run_training(cfg: Config, resume: bool = False) -> dict:
@@ -62,6 +82,7 @@ def run_training(cfg: Config, resume: bool = False) -> dict:
         "entropy_first": entropies[0] if entropies else None,
         "entropy_last": entropies[-1] if entropies else None,
         "steps_this_session": len(rows),
+        "provenance": provenance(),
     }
     trainer.run.write_summary(summary)
     plot_run(trainer.run.path)
