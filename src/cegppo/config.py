@@ -470,8 +470,9 @@ def _check_numbers(obj: Any, where: str) -> None:
 def _path(value: Any, key: str, optional: bool = False) -> str | None:
     if value is None and optional:
         return None
-    _need(isinstance(value, str) and value.strip() != "" and "\x00" not in value, key,
-          "a non-empty path" + (" or null" if optional else ""), value)
+    _need(isinstance(value, str) and value.strip() != "", key, "a non-empty path" + (" or null" if optional else ""),
+          value)
+    _need("\x00" not in value, key, "a path without NUL bytes", value)
     return os.path.expanduser(value)
 
 
