@@ -267,7 +267,69 @@ def test_unknown_name_lists_the_bundled_sets():
 
 
 def test_config_test_path_names_a_bundled_set(tiny_config):
-    from cegppo.engine.trainer import load_splits
+    from cegppo.engine.components import load_splits
 
     _, test = load_splits(tiny_config("data.test_path=aime25"))
     assert len(test) == 4 and {p.data_source for p in test} == {"AIME 2025"}
+
+
+# ---------------------------------------------------------------------------- hostile files
+
+_OK = json.dumps({"question": "What is 1 + 1?", "answer": "2"}).encode() + b"\n"
+_OK2 = json.dumps({"question": "What is 2 + 2?", "answer": "4"}).encode() + b"\n"
+
+
+def _gzip(data: bytes) -> bytes:
+    import gzip
+    return gzip.compress(data)
+
+
+def _bz2(data: bytes) -> bytes:
+    import bz2
+    return bz2.compress(data)
+
+
+@pytest.mark.parametrize("name, content, match", [
+    ("d.jsonl", _gzip(_OK * 3), r"d\.jsonl:1: gzip-compressed, not JSON lines text"),
+    ("d.json", _gzip(_OK), r"d\.json:1: gzip-compressed, not JSON text"),
+    ("d.jsonl", _bz2(_OK), r"d\.jsonl:1: bzip2-compressed"),
+    ("d.jsonl", b"PAR1" + bytes(range(256)), r"d\.jsonl:1: a Parquet file"),
+    ("d.jsonl", _OK + b'{"question": "caf\xe9", "answer": "1"}\n', r"d\.jsonl:2: not UTF-8 text \(byte 0xe9 at byte 18"),
+    ("d.jsonl", _OK + _OK2 + b'{"question": "a\x00b", "answer": "1"}\n', r"d\.jsonl:3: binary content \(NUL byte"),
+    ("d.jsonl", bytes(range(256)) * 4, r"d\.jsonl:1: binary content \(NUL byte at byte 1"),
+    ("d.jsonl", '{"question": "Q", "answer": "1"}\n'.encode("utf-16"), r"d\.jsonl:1: UTF-16 text, not JSON lines"),
+    ("d.json", b'[\n{"question": "Q", "answer": "1"},\n{"question": "\xff", "answer": "1"}]', r"d\.json:3: not UTF-8"),
+    ("d.jsonl", _OK + b'{"question": "\\ud800", "answer": "1"}\n', r"d\.jsonl:2: .*unpaired UTF-16 surrogate"),
+    ("d.json", b'[{"question": "Q", "answer": "1"}, {"question": "\\udc00", "answer": "1"}]', r"d\.json\[1\]: .*surrogate"),
+    ("d.jsonl", b"[" * 100_000 + b"]" * 100_000 + b"\n", r"d\.jsonl:1: malformed JSON \(nested too deeply\)"),
+    ("d.jsonl", b'{"question": "Q", "answer": ' + b"9" * 5000 + b"}\n", r"d\.jsonl:1: malformed JSON \(Exceeds"),
+    ("d.parquet", _gzip(b"x" * 100), r"d\.parquet: could not read Parquet file \(no PAR1 header; it is gzip"),
+])
+def test_hostile_data_files(tmp_path, name, content, match):
+    """Compressed, binary, non-UTF-8 or pathological files: a one-line DatasetError naming the file and line."""
+    p = tmp_path / name
+    p.write_bytes(content)
+    with pytest.raises(DatasetError, match=match) as e:
+        load_problems(p)
+    msg = str(e.value)
+    assert "\n" not in msg and len(msg) <= 1000
+
+
+def test_line_endings_and_bom(tmp_path):
+    """A UTF-8 BOM is skipped; \\r\\n and \\r end lines as in text mode (line numbers stay right)."""
+    rows = [_OK.strip(), _OK2.strip(), b"{oops"]
+    for sep in (b"\r\n", b"\r", b"\n"):
+        p = tmp_path / "d.jsonl"
+        p.write_bytes(b"\xef\xbb\xbf" + sep.join(rows[:2]) + sep)
+        assert [q.answer for q in load_problems(p)] == ["2", "4"]
+        p.write_bytes(sep.join(rows) + sep)
+        with pytest.raises(DatasetError, match=r"d\.jsonl:3: malformed JSON"):
+            load_problems(p)
+
+
+def test_dataset_errors_are_one_bounded_line(tmp_path):
+    big = "x" * 100_000
+    p = write_jsonl(tmp_path / "d.jsonl", [{"question": "Q", "answer": "1"}, {"question": "Q", "answer": big + "\n" + big}])
+    with pytest.raises(DatasetError) as e:
+        load_problems(p)
+    assert "different answer" in str(e.value) and "\n" not in str(e.value) and len(str(e.value)) <= 1000

@@ -6,6 +6,7 @@ import json
 import logging
 import os
 import re
+import time
 from pathlib import Path
 
 import pytest
@@ -14,6 +15,7 @@ import torch
 from cegppo.engine import checkpoint as ckpt
 from cegppo.engine.checkpoint import CheckpointError
 from cegppo.cli import main
+from cegppo.config import ConfigError, load_config, load_yaml, parse_overrides
 from cegppo.io import read_jsonl
 from cegppo.engine.models import ModelLoadError, validate_smollm2_gguf
 from cegppo.data.rewards import load_reward
@@ -273,3 +275,72 @@ def test_fake_gguf_with_wrong_contents_is_rejected(tmp_path):
     path.write_bytes(path.read_bytes()[:40])  # truncated
     with pytest.raises(ModelLoadError, match=r"fake\.gguf: not a readable GGUF file"):
         validate_smollm2_gguf(path)
+
+
+# ---------------------------------------------------------------------------------------------- hostile files
+
+
+@pytest.mark.parametrize("cut", ["half", "header", "empty", "garbage_header", "huge_header_length"])
+def test_corrupt_safetensors_is_one_line(cut, tmp_path):
+    import shutil
+    import struct
+
+    from cegppo.engine.models import build_tiny_model, load_model
+
+    src = build_tiny_model(tmp_path / "m")
+    f = src / "model.safetensors"
+    raw = f.read_bytes()
+    f.write_bytes({"half": raw[: len(raw) // 2], "header": raw[:100], "empty": b"",
+                   "garbage_header": raw[:8] + b"x" * 50 + raw[58:],
+                   "huge_header_length": struct.pack("<Q", 2**62) + raw[8:]}[cut])
+    with pytest.raises(ModelLoadError, match=r"model\.safetensors: corrupt or truncated safetensors file") as e:
+        load_model(str(src))
+    assert "\n" not in str(e.value)
+    shutil.rmtree(src)
+
+
+LAUGHS = "a: &a [x,x,x,x,x,x,x,x,x]\n" + "".join(
+    f"{c}: &{c} [{','.join(['*' + p] * 9)}]\n" for p, c in zip("abcdefgh", "bcdefghi"))
+
+
+@pytest.mark.parametrize("name, content, expected", [
+    ("laughs.yaml", LAUGHS, r"laughs\.yaml: YAML expands to more than 100000 nodes"),
+    ("list.yaml", "- train\n- steps\n", r"list\.yaml: the top level must be a mapping of config sections .* got list"),
+    ("scalar.yaml", "just text\n", r"scalar\.yaml: the top level must be a mapping .* got str"),
+    ("self.yaml", "base: self.yaml\n", r"self\.yaml: 'base' cycle self\.yaml -> self\.yaml"),
+    ("a.yaml", "base: b.yaml\n", r"b\.yaml: 'base' cycle a\.yaml -> b\.yaml -> a\.yaml"),
+    ("rec.yaml", "train: &t {steps: *t}\n", r"rec\.yaml: recursive YAML alias \*'t'"),
+    ("deep.yaml", "x: " + "[" * 200 + "]" * 200 + "\n", r"deep\.yaml: YAML nested deeper than 64 levels"),
+    ("latin1.yaml", b"output_dir: caf\xe9\n", r"latin1\.yaml:1: not UTF-8 text \(byte 0xe9\)"),
+    ("big.yaml", b"#" * (1 << 20) + b"\n", r"big\.yaml: config file larger than 1024 KiB"),
+    ("bigint.yaml", "train:\n  steps: " + "9" * 5000 + "\n", r"bigint\.yaml: not valid YAML: ValueError: Exceeds"),
+    ("pyobj.yaml", "x: !!python/object/apply:os.system [echo]\n", r"pyobj\.yaml: not valid YAML .*constructor"),
+    ("longval.yaml", "train:\n  steps: '" + "z" * 100_000 + "'\n", r"train\.steps: expected int, got str 'zzz"),
+    ("longkey.yaml", "train:\n  '" + "k" * 1000 + "': 1\n", r"unknown config key 'train\.kkkk"),
+])
+def test_hostile_config_files(name, content, expected, tmp_path, capsys):
+    """Every hostile config file is refused with one bounded line, cheaply (the laughs in well under a second);
+    through the CLI too."""
+    (tmp_path / "b.yaml").write_text("base: a.yaml\n")
+    p = tmp_path / name
+    p.write_bytes(content if isinstance(content, bytes) else content.encode())
+    t0 = time.perf_counter()
+    with pytest.raises(ConfigError, match=expected) as e:
+        load_config(p)
+    assert time.perf_counter() - t0 < 0.5
+    assert "\n" not in str(e.value) and len(str(e.value)) <= 1000
+    assert main(["train", str(p)]) == 2
+    err = capsys.readouterr().err
+    assert "Traceback" not in err and re.search(expected, err) and len(err) < 1100
+
+
+def test_billion_laughs_fails_fast():
+    assert len(LAUGHS) < 400
+    nested = "x:\n" + "".join(f"  {line}\n" for line in LAUGHS.splitlines())
+    for text in (LAUGHS, nested):
+        t0 = time.perf_counter()
+        with pytest.raises(ConfigError, match="more than 100000 nodes"):
+            load_yaml(text, "laughs")
+        assert time.perf_counter() - t0 < 0.1
+    with pytest.raises(ConfigError, match="more than 100000 nodes"):  # through an override value too
+        parse_overrides(["algorithm.hparams=" + "{" + LAUGHS.replace("\n", ", ").rstrip(", ") + "}"])

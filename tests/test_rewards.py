@@ -187,3 +187,121 @@ def test_user_module(tmp_path, monkeypatch):
         load_reward("my_rewards:")
     with pytest.raises(ValueError, match="unknown reward 'mathh'"):
         load_reward("mathh")
+
+
+class _BadRepr:
+    def __repr__(self):
+        raise SystemExit("from __repr__")
+
+
+class _HugeRepr:
+    def __repr__(self):
+        return "x\n" * 1_000_000
+
+
+def _no_truth(self):
+    raise RuntimeError("no truth value")
+
+
+_BadBool = type("bool_", (), {"__module__": "numpy", "__bool__": _no_truth})  # looks like numpy.bool_
+
+
+def _exits(c, a):
+    raise SystemExit(3)
+
+
+def _exits_none(c, a):
+    import sys
+    sys.exit()
+
+
+class _CustomBase(BaseException):
+    pass
+
+
+def _raises_base(c, a):
+    raise _CustomBase("odd")
+
+
+def _raises_generator_exit(c, a):
+    raise GeneratorExit()
+
+
+def _raises_unprintable(c, a):
+    class E(Exception):
+        def __str__(self):
+            raise ValueError("cannot print")
+    raise E()
+
+
+@pytest.mark.parametrize("scorer, msg", [
+    (_exits, "SystemExit: 3"),
+    (_exits_none, "SystemExit"),
+    (_raises_base, "_CustomBase: odd"),
+    (_raises_generator_exit, "GeneratorExit"),
+    (_raises_unprintable, "<unprintable E>"),
+    (lambda c, a: 10**400, "too large for a float"),
+    (lambda c, a: -(10**400), "too large for a float"),
+    (lambda c, a: -math.inf, "scorer returned -inf"),
+    (lambda c, a: [1.0], "scorer returned [1.0] (list)"),
+    (lambda c, a: list(range(10**6)), "(list)"),
+    (lambda c, a: {"score": 1}, "(dict)"),
+    (lambda c, a: object(), "(object)"),
+    (lambda c, a: _BadRepr(), "<unprintable _BadRepr>"),
+    (lambda c, a: _HugeRepr(), "(_HugeRepr)"),
+    (lambda c, a: _BadBool(), "RuntimeError: no truth value"),
+    (lambda c, a: 1j, "(complex)"),
+    (lambda c, a: b"1", "(bytes)"),
+])
+def test_user_code_cannot_end_a_run(scorer, msg):
+    """Anything a reward raises (SystemExit included) or returns (huge ints, +-inf, lists, arrays, objects whose
+    repr fails or is huge) is one counted failure with a bounded one-line message; the batch goes on."""
+    r = RewardFn(lambda c, a: scorer(c, a) if c == "bad" else c == a, timeout=2.0)
+    res = r(["bad", "ok"], ["x", "ok"])
+    assert res.scores == [-1.0, 1.0] and res.correct == [False, True] and res.failures == 1
+    (m,) = res.failure_messages
+    assert msg in m and "\n" not in m and len(m) <= 300, m
+    assert signal.getitimer(signal.ITIMER_REAL) == (0.0, 0.0)
+
+
+def test_numpy_results():
+    np = pytest.importorskip("numpy")
+    r = RewardFn(lambda c, a: {"t": np.bool_(True), "f": np.float64(0.5), "a": np.array([1.0, 2.0]),
+                               "n": np.float32("nan"), "z": np.array(1.0)}[c], incorrect_score=0.0)
+    res = r(["t", "f", "a", "n", "z"], ["x"] * 5)
+    assert res.scores == [1.0, 0.5, 0.0, 0.0, 0.0] and res.correct == [True, False, False, False, False]
+    assert res.failures == 3 and "ndarray" in res.failure_messages[0]
+
+
+def test_keyboard_interrupt_still_stops():
+    def ctrl_c(c, a):
+        raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        RewardFn(ctrl_c, timeout=1.0)(["a"], ["a"])
+    assert signal.getitimer(signal.ITIMER_REAL) == (0.0, 0.0)
+
+
+def test_hang_in_the_result_is_timed_out():
+    class Slow:
+        def __float__(self):
+            time.sleep(30)
+            return 1.0
+
+    import numbers
+    numbers.Real.register(Slow)
+    t0 = time.monotonic()
+    res = RewardFn(lambda c, a: Slow(), timeout=0.2)(["a"], ["a"])
+    assert time.monotonic() - t0 < 10 and res.failures == 1 and "timed out" in res.failure_messages[0]
+
+
+@pytest.mark.parametrize("timeout", [math.inf, -math.inf, math.nan, 0, -1, 3601, 1e300, True, "5"])
+def test_timeout_must_be_finite_and_bounded(timeout):
+    with pytest.raises(ValueError, match=r"timeout must be a number of seconds in \(0, 3600\]"):
+        RewardFn(lambda c, a: True, timeout=timeout)
+
+
+@pytest.mark.parametrize("scores", [(math.inf, -1.0), (1.0, -math.inf), (math.nan, 0.0), (1.0, math.nan)])
+def test_scores_must_be_finite(scores):
+    with pytest.raises(ValueError, match="must be a finite number"):
+        RewardFn(lambda c, a: True, correct_score=scores[0], incorrect_score=scores[1])

@@ -1,4 +1,5 @@
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -137,3 +138,135 @@ def test_dynamic_sampling_concatenates_generation_rounds(tiny_config):
     texts = tr.tokenizer.batch_decode(torch.where(rb.response_mask.bool(), resp, tr.tokenizer.pad_token_id),
                                       skip_special_tokens=True)
     assert texts == rb.texts
+
+
+# ---------------------------------------------------------------------------------------------- validation
+
+
+def _float_keys(cls=None, where=""):
+    import dataclasses
+    import typing
+
+    from cegppo.config import Config
+
+    cls = cls or Config
+    hints = typing.get_type_hints(cls)
+    for f in dataclasses.fields(cls):
+        key = f"{where}.{f.name}" if where else f.name
+        if dataclasses.is_dataclass(hints[f.name]):
+            yield from _float_keys(hints[f.name], key)
+        elif hints[f.name] is float:
+            yield key
+
+
+@pytest.mark.parametrize("key", list(_float_keys()) + ["algorithm.hparams.beta1", "algorithm.hparams.clip_ratio_c"])
+@pytest.mark.parametrize("value", [".nan", ".inf", "-.inf", "nan", "1e999"])
+def test_every_float_rejects_nan_and_inf(key, value):
+    with pytest.raises(ConfigError, match=re.escape(key) + " must be a finite number") as e:
+        load_config(example_config("tiny"), [f"{key}={value}"])
+    assert "\n" not in str(e.value)
+
+
+@pytest.mark.parametrize("override,match", [
+    ("reward.timeout_s=.inf", r"reward\.timeout_s must be a finite number"),
+    ("reward.timeout_s=3601", r"reward\.timeout_s must be in \(0, 3600\] seconds"),
+    ("reward.timeout_s=0", r"reward\.timeout_s must be in \(0, 3600\]"),
+    ("output_dir=", r"output_dir must be a non-empty path, got ''"),
+    ("output_dir='  '", r"output_dir must be a non-empty path"),
+    ("data.train_path=", r"data\.train_path must be a non-empty path or null"),
+    ("eval.num_problems=-1", r"eval\.num_problems must be an integer >= 0 \(0 = all problems\), got -1"),
+    ("eval.k=4", r"eval\.k=4 with eval\.temperature=0: greedy decoding gives 4 identical samples"),
+    ("rollout.n=1", r"rollout\.n must be >= 2 with algorithm\.advantage=grpo \(the advantage of a group of one"),
+    ("algorithm.adv_eps=0", r"algorithm\.adv_eps must be a finite number > 0"),
+    ("optim.lr=" + "9" * 400, r"optim\.lr must be a finite number, got an integer of 1329 bits"),
+    ("train.seed=" + "9" * 30, r"train\.seed must be an integer that fits 64 bits"),
+    ("train.seed=-1", r"train\.seed must be >= 0"),
+    ("train.threads=100000", r"train\.threads must be in 0\.\.1024"),
+    ("optim.betas=[true, 0.9]", r"optim\.betas must be two numbers in \[0, 1\)"),
+    ("optim.betas=[0.9]", r"optim\.betas must be two numbers"),
+    ("algorithm.hparams={1: 2}", r"algorithm\.hparams must be a mapping of hyperparameter names to numbers"),
+    ("algorithm.hparams.beta1=abc", r"algorithm\.hparams\.beta1 must be a finite number \(or null\), got 'abc'"),
+    ("data.task=nope", r"data\.task must be null or one of \['arithmetic'\]"),
+    ("data.prompt_key=''", r"data\.prompt_key must be null or a non-empty"),
+    ("sft.lr=-1", r"sft\.lr must be a finite number >= 0"),
+    ("sft.batch_size=0", r"sft\.batch_size must be >= 1"),
+    ("eval.top_p=0", r"eval\.top_p must be in \(0, 1\]"),
+    ("eval.max_new_tokens=0", r"eval\.max_new_tokens must be an integer >= 1"),
+    ("reward.fn=''", r"reward\.fn must be"),
+    ("model.name=''", r"model\.name must be a preset, a local directory or a hub name"),
+    ("reward.overlong_penalty=-1", r"reward\.overlong_penalty must be a finite number >= 0"),
+    ("train.steps=" + "x" * 10_000, r"train\.steps: expected int, got str 'xxx"),
+    ("a..b=1", r"override key 'a\.\.b': expected dotted names"),
+    ("train." * 100 + "x=1", r"override key 'train\.train"),
+])
+def test_every_key_is_validated(override, match):
+    with pytest.raises(ConfigError, match=match) as e:
+        load_config(example_config("tiny"), [override])
+    assert "\n" not in str(e.value) and len(str(e.value)) <= 1000
+
+
+def test_degenerate_settings_allowed_when_meaningful():
+    # sampled evaluation may take k > 1; greedy takes k = 1
+    load_config(example_config("tiny"), ["eval.k=4", "eval.temperature=0.6"])
+    cfg = load_config(example_config("tiny"), ["rollout.n=2"])
+    assert cfg.rollout.n == 2
+
+
+def test_paths_are_expanded(monkeypatch, tmp_path):
+    monkeypatch.setenv("HOME", str(tmp_path))
+    cfg = load_config(example_config("tiny"), ["output_dir=~/run", "data.train_path=~/d.jsonl", "data.test_path=~/t.jsonl",
+                                               "model.name=~/models/m"])
+    assert cfg.output_dir == str(tmp_path / "run")
+    assert (cfg.data.train_path, cfg.data.test_path) == (str(tmp_path / "d.jsonl"), str(tmp_path / "t.jsonl"))
+    assert cfg.model.name == str(tmp_path / "models" / "m")
+    assert load_config(example_config("tiny"), ["model.name=org/name"]).model.name == "org/name"
+
+
+def test_eval_num_problems_zero_means_all():
+    from cegppo.config import CLI_EVAL_KEYS, check_eval_settings, eval_limit
+
+    assert load_config(example_config("tiny"), ["eval.num_problems=0"]).eval.num_problems == 0
+    problems = list(range(10))
+    assert problems[: eval_limit(0)] == problems and problems[: eval_limit(3)] == [0, 1, 2]
+    for bad in (-1, True, 1.5, "3"):
+        with pytest.raises(ConfigError, match=r"--num-problems must be an integer >= 0 \(0 = all problems\)"):
+            eval_limit(bad, "--num-problems")
+    check_eval_settings(num_problems=0, k=4, temperature=0.6, top_p=0.95, max_new_tokens=8, keys=CLI_EVAL_KEYS)
+    with pytest.raises(ConfigError, match=r"--k=4 with --temperature=0: greedy"):
+        check_eval_settings(num_problems=0, k=4, temperature=0.0, top_p=0.95, max_new_tokens=8, keys=CLI_EVAL_KEYS)
+
+
+def test_check_data_sft_needs_solutions():
+    from cegppo.config import check_data
+    from cegppo.data.problems import Problem
+
+    with_sol = Problem(id="a", messages=[{"role": "user", "content": "Q"}], answer="1", solution="\\boxed{1}")
+    without = Problem(id="b", messages=[{"role": "user", "content": "R"}], answer="2")
+    cfg = load_config(example_config("tiny"), ["data.task=null", "data.train_path=/data/x.jsonl"])
+    assert cfg.sft.steps == 20
+    check_data(cfg, [with_sol])
+    with pytest.raises(ConfigError, match=r"sft\.steps=20 needs a reference 'solution' on every training problem; "
+                                          r"1 of 2 in data\.train_path /data/x\.jsonl have none \(first: id 'b'\)"):
+        check_data(cfg, [with_sol, without])
+    check_data(load_config(example_config("tiny"), ["sft.steps=0"]), [without])
+
+
+def test_check_prompt_budget():
+    from cegppo.config import check_prompt_budget, prompt_budget_cuts
+    from cegppo.data.problems import Problem
+    from cegppo.engine.models import build_char_tokenizer
+
+    tok = build_char_tokenizer()
+    short = Problem(id="s", messages=[{"role": "user", "content": "What is 1 + 1?"}], answer="2")
+    long = Problem(id="l", messages=[{"role": "system", "content": "S" * 50},
+                                     {"role": "user", "content": "What is 12 + 30?" * 5}], answer="42")
+    # char-level tokens: `long` is 159 tokens, its question starts at token 66 (after the system prompt)
+    assert prompt_budget_cuts(tok, [short, long], 200) == []
+    assert prompt_budget_cuts(tok, [short, long], 159 - 66) == []  # only the system prompt is cut: fine
+    assert prompt_budget_cuts(tok, [short, long], 159 - 67) == [(long, 159, 66)]  # one question token cut
+    check_prompt_budget(tok, [short, long], 120)
+    with pytest.raises(ConfigError, match=r"rollout\.max_prompt_tokens=60 cuts the question of 1 prompt\(s\) "
+                                          r"\(left truncation; e\.g\. id 'l': 159 tokens, its question from token 66\); expected >= 93"):
+        check_prompt_budget(tok, [short, long], 60)
+    with pytest.raises(ConfigError, match=r"--max-prompt-tokens=10 cuts the question of 2 prompt"):
+        check_prompt_budget(tok, [short, long], 10, key="--max-prompt-tokens")

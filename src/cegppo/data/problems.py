@@ -10,11 +10,13 @@ import hashlib
 import json
 import logging
 import math
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterator
 
 from cegppo.data.evalsets import EVAL_SETS, bundled_source, resolve_dataset
+from cegppo.io import one_line
 
 log = logging.getLogger(__name__)
 
@@ -26,7 +28,11 @@ _MISSING = object()
 
 
 class DatasetError(ValueError):
-    """A dataset file could not be read; the message names file, row and key."""
+    """A dataset file could not be read; the message names file, row and key. Always one line of bounded
+    length, whatever value it quotes."""
+
+    def __init__(self, message: object = "") -> None:
+        super().__init__(one_line(message, 1000))
 
 
 @dataclass(frozen=True)
@@ -69,35 +75,111 @@ def prompt_id(messages: list[dict]) -> str:
 # reading rows
 
 
+_MAGIC = ((b"\x1f\x8b", "gzip-compressed"), (b"BZh", "bzip2-compressed"), (b"\xfd7zXZ\x00", "xz-compressed"),
+          (b"\x28\xb5\x2f\xfd", "zstd-compressed"), (b"PK\x03\x04", "a zip archive"), (b"PAR1", "a Parquet file"),
+          (b"\xff\xfe", "UTF-16 text"), (b"\xfe\xff", "UTF-16 text"))
+_SURROGATE_ESCAPE = re.compile(r"\\u[dD][89a-fA-F][0-9a-fA-F]{2}")
+_BOM = b"\xef\xbb\xbf"
+
+
+def _sniff(path: Path, expected: str) -> None:
+    """Refuse compressed or binary files by their first bytes, before trying to read them as text."""
+    with open(path, "rb") as fh:
+        head = fh.read(8)
+    for magic, kind in _MAGIC:
+        if head.startswith(magic):
+            raise DatasetError(f"{path}:1: {kind}, not {expected} (decompress it, or convert it to UTF-8 JSON)")
+
+
+def _decode(raw: bytes, path: Path, lineno: int | None = None) -> str:
+    """UTF-8 text of one line (``lineno`` given) or a whole file; binary content (a NUL byte) and invalid UTF-8
+    are reported as ``file:line`` with the byte's position in that line."""
+    bad, what = raw.find(b"\x00"), "binary content (NUL byte"
+    if bad < 0:
+        try:
+            return raw.decode("utf-8")
+        except UnicodeDecodeError as e:
+            bad, what = e.start, f"not UTF-8 text (byte 0x{raw[e.start]:02x}"
+    if lineno is None:  # a whole file: find the line
+        lineno = raw.count(b"\n", 0, bad) + 1
+        bad -= raw.rfind(b"\n", 0, bad) + 1
+    raise DatasetError(f"{path}:{lineno}: {what} at byte {bad + 1} of the line); expected UTF-8 JSON text")
+
+
+def _loads(where: str, text: str, line_of: Any = None) -> Any:
+    """json.loads with every failure as a DatasetError naming the location (``line_of(e)`` adds the line).
+    Strings must be valid Unicode: an escaped unpaired surrogate (``"\\ud800"``) is refused (checked per row by
+    the caller when ``line_of`` is given)."""
+    try:
+        obj = json.loads(text)
+    except json.JSONDecodeError as e:
+        at = f"{where}:{line_of(e)}" if line_of else where
+        raise DatasetError(f"{at}: malformed JSON ({e.msg} at column {e.colno})") from None
+    except RecursionError:
+        raise DatasetError(f"{where}: malformed JSON (nested too deeply)") from None
+    except ValueError as e:  # e.g. an integer literal longer than Python converts
+        raise DatasetError(f"{where}: malformed JSON ({e})") from None
+    if line_of is None and _SURROGATE_ESCAPE.search(text):  # rare: only then pay for the exact check
+        _check_unicode(where, obj)
+    return obj
+
+
+def _check_unicode(where: str, obj: Any) -> None:
+    try:
+        json.dumps(obj, ensure_ascii=False).encode("utf-8")
+    except UnicodeEncodeError:
+        raise DatasetError(f"{where}: a string holds an unpaired UTF-16 surrogate (\\ud800-\\udfff); not valid "
+                           f"Unicode text") from None
+
+
 def _iter_jsonl(path: Path) -> Iterator[tuple[str, Any]]:
-    # Parsed line by line so that a malformed line is reported as file:line.
-    with open(path, encoding="utf-8") as fh:
-        for lineno, line in enumerate(fh, start=1):
-            if not line.strip():
-                continue
-            try:
-                yield f"{path}:{lineno}", json.loads(line)
-            except json.JSONDecodeError as e:
-                raise DatasetError(f"{path}:{lineno}: malformed JSON ({e.msg} at column {e.colno})") from e
+    # Read as bytes and parsed line by line, so that a malformed, binary or non-UTF-8 line is reported as
+    # file:line. Lines end at \n, \r\n or \r (as text mode's universal newlines).
+    _sniff(path, "JSON lines text")
+    lineno = 0
+    with open(path, "rb") as fh:
+        for raw in fh:
+            if lineno == 0 and raw.startswith(_BOM):
+                raw = raw[len(_BOM):]
+            body = raw[:-1] if raw.endswith(b"\n") else raw
+            if body.endswith(b"\r"):
+                body = body[:-1]
+            for part in body.split(b"\r") if b"\r" in body else (body,):
+                lineno += 1
+                loc = f"{path}:{lineno}"
+                line = _decode(part, path, lineno)
+                if not line.strip():
+                    continue
+                yield loc, _loads(loc, line)
 
 
 def _iter_json(path: Path) -> Iterator[tuple[str, Any]]:
-    text = path.read_text(encoding="utf-8")
+    _sniff(path, "JSON text")
+    raw = path.read_bytes()
+    if raw.startswith(_BOM):
+        raw = raw[len(_BOM):]
+    text = _decode(raw, path)
     if not text.lstrip().startswith("["):
         # A .json file that is not an array is read as JSON lines (a common mislabelling).
         yield from _iter_jsonl(path)
         return
-    try:
-        rows = json.loads(text)
-    except json.JSONDecodeError as e:
-        raise DatasetError(f"{path}:{e.lineno}: malformed JSON ({e.msg} at column {e.colno})") from e
+    rows = _loads(str(path), text, line_of=lambda e: e.lineno)
+    check = _SURROGATE_ESCAPE.search(text) is not None
     for i, row in enumerate(rows):
+        if check:
+            _check_unicode(f"{path}[{i}]", row)
         yield f"{path}[{i}]", row
 
 
 def _iter_parquet(path: Path) -> Iterator[tuple[str, Any]]:
     import datasets
 
+    with open(path, "rb") as fh:
+        head = fh.read(4)
+    if head != b"PAR1":
+        kind = next((k for magic, k in _MAGIC if head.startswith(magic[:4])), None)
+        raise DatasetError(f"{path}: could not read Parquet file (no PAR1 header{'; it is ' + kind if kind else ''}: "
+                           f"starts with {head!r})")
     try:
         ds = datasets.load_dataset("parquet", data_files=str(path), split="train")
     except Exception as e:  # noqa: BLE001 - any reader failure is a bad file

@@ -1,6 +1,8 @@
 """Verifiable rewards: math-verify graders (strict = last \\boxed{} only, lenient = paper-style) and a
-robust wrapper (`RewardFn`) that maps any scorer failure (exception, timeout, NaN, wrong type) to an
-incorrect score, counts it, and never lets it propagate into the training loop.
+robust wrapper (`RewardFn`) that maps any scorer failure (any exception, `SystemExit` included; a timeout;
+a result that is not a bool or a finite float: NaN, inf, an int too large for a float, None, a list, an
+array, any other object) to an incorrect score, counts it, and never lets it propagate into the training
+loop. Only a KeyboardInterrupt (the user's Ctrl-C) goes through.
 
 Model output is only ever parsed by math-verify / string operations; it is never evaluated.
 """
@@ -13,6 +15,7 @@ import logging
 import math
 import numbers
 import re
+import reprlib
 import signal
 import threading
 import time
@@ -24,6 +27,7 @@ log = logging.getLogger(__name__)
 Scorer = Callable[[str, str], "float | bool"]
 MODES = ("strict", "lenient")
 BUILTIN_SPECS = ("math", "math-strict", "math-lenient")
+MAX_TIMEOUT_S = 3600.0  # a per-item timeout is a finite number of seconds in (0, MAX_TIMEOUT_S]
 
 # Set while RewardFn's own SIGALRM timer is armed: math-verify's internal timeouts also use SIGALRM
 # (signal.alarm) and cancel any outer timer on exit, so inside RewardFn they must be switched off.
@@ -132,26 +136,52 @@ class _ScorerTimeout(BaseException):
     pass
 
 
+_REPR = reprlib.Repr()
+_REPR.maxstring = _REPR.maxother = 60
+_REPR.maxlong = 40
+_REPR.maxlist = _REPR.maxtuple = _REPR.maxdict = _REPR.maxset = 6
+_REPR.maxlevel = 2
+
+
+def _text(obj: object, limit: int = 160) -> str:
+    """A bounded one-line description of a scorer's exception or result; never raises (but for a Ctrl-C or
+    our own timeout): user objects may fail in __repr__/__str__, or describe themselves at any length."""
+    try:
+        text = str(obj) if isinstance(obj, BaseException) else _REPR.repr(obj)
+    except (KeyboardInterrupt, _ScorerTimeout):
+        raise
+    except BaseException:  # noqa: BLE001 - a broken __repr__ is one more scorer failure, not a crash
+        text = f"<unprintable {type(obj).__name__}>"
+    return " ".join(text.split())[:limit]
+
+
 class RewardFn:
     """Wrap `scorer(completion, ground_truth) -> bool | float` into a batch reward that never raises.
 
     bool results map to correct_score / incorrect_score; a number is used as the score directly and
-    counts as correct when >= correct_score. Exceptions, timeouts (per item, `timeout` seconds, main
-    thread only), NaN/inf, None and other types score incorrect_score and are counted in `failures`.
+    counts as correct when >= correct_score. Anything the scorer raises (SystemExit included; only a
+    KeyboardInterrupt propagates), timeouts (per item, `timeout` seconds in (0, 3600], main thread only),
+    and any result that is not a bool or a finite float (NaN, inf, an int that overflows a float, None,
+    lists, arrays, other objects) score incorrect_score and are counted in `failures`.
     """
 
     def __init__(self, scorer: Scorer, *, correct_score: float = 1.0, incorrect_score: float = -1.0,
                  timeout: float | None = 10.0, name: str | None = None, max_messages: int = 5):
         if not callable(scorer):
             raise TypeError(f"scorer must be callable, got {type(scorer).__name__}")
+        for key, v in (("correct_score", correct_score), ("incorrect_score", incorrect_score)):
+            if isinstance(v, bool) or not isinstance(v, numbers.Real) or not math.isfinite(float(v)):
+                raise ValueError(f"{key} must be a finite number, got {v!r:.60}")
         if not incorrect_score < correct_score:
             raise ValueError(f"incorrect_score ({incorrect_score}) must be < correct_score ({correct_score})")
-        if timeout is not None and not timeout > 0:
-            raise ValueError(f"timeout must be a positive number of seconds or None, got {timeout!r}")
+        if timeout is not None and (isinstance(timeout, bool) or not isinstance(timeout, numbers.Real)
+                                    or not 0 < float(timeout) <= MAX_TIMEOUT_S):
+            raise ValueError(f"timeout must be a number of seconds in (0, {MAX_TIMEOUT_S:g}] or None, "
+                             f"got {timeout!r:.60}")
         self.scorer = scorer
         self.correct_score = float(correct_score)
         self.incorrect_score = float(incorrect_score)
-        self.timeout = timeout
+        self.timeout = None if timeout is None else float(timeout)
         self.name = name or getattr(scorer, "__name__", repr(scorer))
         self.max_messages = max_messages
 
@@ -176,28 +206,46 @@ class RewardFn:
     def score_one(self, completion: str, answer: str) -> tuple[float, bool, str | None]:
         """(score, correct, failure message or None)."""
         try:
-            value = self._run(completion, answer)
+            return self._run(completion, answer)
         except _ScorerTimeout:
-            return self.incorrect_score, False, f"timed out after {self.timeout} s"
-        except Exception as e:  # noqa: BLE001 - a broken reward must not crash training
-            return self.incorrect_score, False, f"{type(e).__name__}: {e}"
-        if isinstance(value, bool) or type(value).__name__ == "bool_":  # incl. numpy.bool_
-            return (self.correct_score, True, None) if value else (self.incorrect_score, False, None)
-        if isinstance(value, numbers.Real) and math.isfinite(float(value)):
-            score = float(value)
-            return score, score >= self.correct_score, None
-        return self.incorrect_score, False, f"scorer returned {value!r:.60} ({type(value).__name__}); " \
-                                            f"expected bool or a finite float"
+            return self.incorrect_score, False, f"timed out after {self.timeout:g} s"
+        except KeyboardInterrupt:
+            raise
+        except BaseException as e:  # noqa: BLE001 - the timer itself failed: still one counted failure
+            return self.incorrect_score, False, f"{type(e).__name__}: {_text(e)}"
 
-    def _run(self, completion: str, answer: str) -> object:
+    def _score(self, completion: str, answer: str) -> tuple[float, bool, str | None]:
+        """Call the scorer and interpret its result; runs under the timer (a hang in the result's own
+        __bool__/__float__/__repr__ is cut too). Only a KeyboardInterrupt or our timeout escapes."""
+        try:
+            value = self.scorer(completion, answer)
+            if isinstance(value, bool) or (type(value).__module__ == "numpy"
+                                           and type(value).__name__ in ("bool_", "bool")):  # numpy 1 / 2
+                return (self.correct_score, True, None) if value else (self.incorrect_score, False, None)
+            if isinstance(value, numbers.Real):
+                try:
+                    score = float(value)
+                except OverflowError:
+                    return self.incorrect_score, False, f"scorer returned {_text(value, 40)} " \
+                                                        f"({type(value).__name__}), too large for a float"
+                if math.isfinite(score):
+                    return score, score >= self.correct_score, None
+            return self.incorrect_score, False, f"scorer returned {_text(value, 60)} ({type(value).__name__}); " \
+                                                f"expected bool or a finite float"
+        except (KeyboardInterrupt, _ScorerTimeout):
+            raise
+        except BaseException as e:  # noqa: BLE001 - SystemExit too: user code cannot end a run
+            return self.incorrect_score, False, f"{type(e).__name__}: {_text(e)}"
+
+    def _run(self, completion: str, answer: str) -> tuple[float, bool, str | None]:
         global _outer_timer_active, _warned_no_timeout
         if self.timeout is None:
-            return self.scorer(completion, answer)
+            return self._score(completion, answer)
         if threading.current_thread() is not threading.main_thread():
             if not _warned_no_timeout:
                 log.warning("reward %s called off the main thread: per-item timeout disabled", self.name)
                 _warned_no_timeout = True
-            return self.scorer(completion, answer)
+            return self._score(completion, answer)
 
         state = {"inside": True}
 
@@ -212,7 +260,7 @@ class RewardFn:
         _outer_timer_active = True
         try:
             try:
-                return self.scorer(completion, answer)
+                return self._score(completion, answer)
             finally:
                 state["inside"] = False
         finally:

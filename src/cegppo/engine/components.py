@@ -12,7 +12,7 @@ from typing import Any
 import torch
 
 from cegppo.config import Config, ConfigError, OptimConfig, RewardConfig, TrainConfig
-from cegppo.data.problems import Problem, load_problems
+from cegppo.data.problems import DatasetError, Problem, load_problems
 from cegppo.data.rewards import RewardFn, load_reward
 from cegppo.data.tasks import make_task
 from cegppo.engine.models import ModelLoadError, load_model
@@ -37,16 +37,19 @@ def load_splits(cfg: Config) -> tuple[list[Problem], list[Problem]]:
     """(train, held-out test) problems: dataset files when given, else the built-in task's seeded splits."""
     d = cfg.data
     kw = dict(prompt_key=d.prompt_key, answer_key=d.answer_key)
-    if d.train_path:
-        train = load_problems(d.train_path, **kw)
-    else:
-        train = make_task(d.task, "train", d.num_train, seed=d.seed, difficulty=d.difficulty)
-    if d.test_path:
-        test = load_problems(d.test_path, **kw)
-    elif d.task and d.num_test:
-        test = make_task(d.task, "test", d.num_test, seed=d.seed, difficulty=d.difficulty)
-    else:
-        test = []
+    try:
+        train = load_problems(d.train_path, **kw) if d.train_path else make_task(
+            d.task, "train", d.num_train, seed=d.seed, difficulty=d.difficulty)
+        if d.test_path:
+            test = load_problems(d.test_path, **kw)
+        elif d.task and d.num_test:
+            test = make_task(d.task, "test", d.num_test, seed=d.seed, difficulty=d.difficulty)
+        else:
+            test = []
+    except DatasetError:
+        raise
+    except ValueError as e:  # a task asked for more problems than it can make
+        raise ConfigError(f"data: {e}") from None
     return train, test[: d.num_test] if d.num_test else []
 
 

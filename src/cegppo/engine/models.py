@@ -321,6 +321,21 @@ def _load_tokenizer(src: str) -> Any:
     return AutoTokenizer.from_pretrained(src, local_files_only=True, trust_remote_code=False)
 
 
+def check_safetensors(directory: str | os.PathLike) -> None:
+    """Parse the header of every ``*.safetensors`` file in ``directory`` with the safetensors library (cheap:
+    the header only; it also checks that the tensors' byte ranges cover the file exactly, so a truncated file
+    fails). A corrupt or truncated file is a one-line ModelLoadError instead of an error deep in transformers."""
+    from safetensors import safe_open
+
+    for f in sorted(Path(directory).glob("*.safetensors")):
+        try:
+            with safe_open(str(f), framework="pt") as fh:
+                fh.keys()
+        except Exception as e:  # noqa: BLE001 - SafetensorError, OSError, ...: the file cannot be used
+            raise ModelLoadError(f"{f}: corrupt or truncated safetensors file ({type(e).__name__}: {one_line(e)}); "
+                                 f"re-save or re-download the model") from e
+
+
 def load_model(name_or_path: str, *, dtype: str = "float32", device: str = "cpu") -> tuple[Any, Any]:
     """Load (model, tokenizer) from a preset name, a local directory, or a cached hub id (offline).
 
@@ -347,6 +362,8 @@ def load_model(name_or_path: str, *, dtype: str = "float32", device: str = "cpu"
                                  f"(presets: {', '.join(PRESETS)})")
         else:
             src, kind = name, f"hub model {name!r}"
+    if not kind.startswith("hub"):
+        check_safetensors(src)
 
     try:
         # local_files_only everywhere: the hub is never contacted, a missing cache entry fails fast.

@@ -7,12 +7,13 @@ import resource
 import subprocess
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import torch
 
-from cegppo.config import Config
+from cegppo.config import (CLI_EVAL_KEYS, Config, check_data, check_eval_settings, check_prompt_budget,
+                           eval_limit)
 from cegppo.data.evalsets import resolve_dataset
 from cegppo.data.problems import Problem, load_problems
 from cegppo.data.tasks import make_task
@@ -91,8 +92,9 @@ def run_training(cfg: Config, resume: bool = False) -> dict:
 
 def run_sft(cfg: Config, out: Path, steps: int) -> list[float]:
     """Supervised warm-start of ``model.name`` on the training split's reference solutions, saved to ``out``."""
-    model, tok = build_policy(cfg.model.name)
     train, _ = load_splits(cfg)
+    check_data(replace(cfg, sft=replace(cfg.sft, steps=steps)), train)  # before the model loads
+    model, tok = build_policy(cfg.model.name)
     losses = supervised_warmup(model, tok, train, cfg.sft, steps=steps, seed=cfg.train.seed,
                                precision=cfg.model.precision, progress=cfg.logging.progress)
     out.mkdir(parents=True, exist_ok=True)
@@ -121,20 +123,25 @@ class EvalRequest:
 def eval_problems(req: EvalRequest) -> list[Problem]:
     """Each dataset (a file or a bundled eval set such as ``aime24``) or built-in task of ``req.data``,
     de-duplicated on load, then limited to ``num_problems``."""
+    limit = eval_limit(req.num_problems, "--num-problems")
     problems = []
     for spec in req.data:
         if Path(spec).is_file() or resolve_dataset(spec) is not None or spec.endswith((".jsonl", ".json", ".parquet")):
             loaded = load_problems(spec)
         else:
             loaded = make_task(spec, "test", req.num_problems or 64, seed=req.seed, difficulty=req.difficulty)
-        problems += loaded[: req.num_problems] if req.num_problems else loaded
+        problems += loaded[:limit]
     return problems
 
 
 def run_eval(req: EvalRequest) -> EvalResult:
+    s = req.sampling
+    check_eval_settings(num_problems=req.num_problems, k=req.k, temperature=s.temperature, top_p=s.top_p,
+                        max_new_tokens=s.max_new_tokens, keys=CLI_EVAL_KEYS)
     problems = eval_problems(req)
     reward = build_reward(req.reward, key="--reward")
     model, tok = build_policy(req.model, key="--model")
+    check_prompt_budget(tok, problems, req.max_prompt_tokens, key="--max-prompt-tokens")
     # generation only: the engine runs on the loaded model itself, cast in place
     engine = HFRollout(model, tok, req.max_prompt_tokens, dtype=getattr(torch, req.dtype), copy=False)
     torch.manual_seed(req.seed)

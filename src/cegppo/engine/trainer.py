@@ -18,7 +18,7 @@ from cegppo.algorithm.diagnostics import MetricAccumulator
 from cegppo.algorithm.logprobs import sequence_token_stats
 from cegppo.algorithm.objectives import get_objective
 from cegppo.algorithm.policy_loss import policy_loss
-from cegppo.config import Config
+from cegppo.config import Config, check_data, check_prompt_budget, eval_limit
 from cegppo.engine import checkpoint as ckpt
 from cegppo.engine.components import (DataOrder, build_optimizer, build_policy, build_reference, build_reward,
                                       build_rollout, configure_torch, load_splits, step_seed)
@@ -58,12 +58,14 @@ class Trainer:
         self.objective = get_objective(cfg.algorithm.objective, **cfg.algorithm.hparams)
         self.reward_fn = build_reward(cfg.reward.fn, cfg.reward)
         self.train_problems, self.test_problems = load_splits(cfg)
+        check_data(cfg, self.train_problems, self.test_problems)  # before any model loads
         self.data = DataOrder(self.train_problems, cfg.train.seed)
         resume_from = ckpt.latest_valid_checkpoint(self.run.checkpoints) if resume else None
         if resume and resume_from is None:
             log.warning("--resume: no valid checkpoint under %s; starting from scratch", self.run.checkpoints)
         source = str(resume_from) if resume_from else cfg.model.name
         self.model, self.tokenizer = build_policy(source, f"checkpoint {source}" if resume_from else "model.name")
+        check_prompt_budget(self.tokenizer, self.train_problems + self.test_problems, cfg.rollout.max_prompt_tokens)
         self.ref_model = build_reference(cfg, self.model, resumed=resume_from is not None)
         if cfg.model.gradient_checkpointing:
             self.model.gradient_checkpointing_enable()
@@ -219,7 +221,7 @@ class Trainer:
     # ---------------------------------------------------------------------------------------------------
     def evaluate(self, problems: list | None = None, desc: str = "eval") -> EvalResult:
         e = self.cfg.eval
-        problems = (self.test_problems if problems is None else problems)[: e.num_problems]
+        problems = (self.test_problems if problems is None else problems)[: eval_limit(e.num_problems)]
         torch.manual_seed(step_seed(self.cfg.train.seed, self.state["step"], "eval"))
         progress = Progress(f"cegppo {desc}", len(problems), unit="problem", enabled=self.cfg.logging.progress)
         try:

@@ -1,0 +1,273 @@
+"""Property-based fuzzing of everything a user hands in as text: config overrides, YAML config files and dataset
+rows. Every generated input either loads or raises the project's one-line error (ConfigError / DatasetError:
+a single line of bounded length) — never another exception type, a hang, or a half-written file.
+"""
+
+import dataclasses
+import functools
+import json
+import os
+import tempfile
+import typing
+from pathlib import Path
+
+import pytest
+
+hypothesis = pytest.importorskip("hypothesis")
+from hypothesis import HealthCheck, given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+from cegppo.cli import example_config  # noqa: E402
+from cegppo.config import Config, ConfigError, load_config, save_config  # noqa: E402
+from cegppo.data.problems import DatasetError, Problem, load_problems  # noqa: E402
+
+TINY = example_config("tiny")
+MAX_MESSAGE = 1000
+# Deterministic by default (same examples every run, ~1 s per test); CEGPPO_FUZZ_EXAMPLES=5000 runs a longer,
+# randomised search.
+_DEEP = int(os.environ.get("CEGPPO_FUZZ_EXAMPLES", "0"))
+FUZZ = settings(max_examples=_DEEP or 150, deadline=2000, suppress_health_check=[HealthCheck.too_slow],
+                database=None, derandomize=not _DEEP)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _warm():
+    load_config(TINY)  # the first validation imports torch: keep it out of the per-example deadline
+
+
+def _one_line(e: BaseException) -> None:
+    text = str(e)
+    assert "\n" not in text and "\r" not in text and 0 < len(text) <= MAX_MESSAGE, text[:2000]
+
+
+def _keys(cls: type = Config, where: str = "") -> list[str]:
+    hints, out = typing.get_type_hints(cls), []
+    for f in dataclasses.fields(cls):
+        key = f"{where}.{f.name}" if where else f.name
+        out += _keys(hints[f.name], key) if dataclasses.is_dataclass(hints[f.name]) else [key]
+    return out
+
+
+KEYS = _keys() + ["algorithm.hparams.beta1", "algorithm.hparams.eps_low", "algorithm.hparams.clip_ratio_c"]
+
+# ------------------------------------------------------------------------------------------- YAML-ish values
+
+SPECIAL = [".nan", ".inf", "-.inf", "nan", "inf", "1e999", "-0", "0", "1", "-1", "2", "0.5", "1.0e-3", "1e-6", "~",
+           "null", "true", "no", "yes", "''", '""', "[]", "{}", "[0.9, 0.999]", "[1]", "{beta1: 0.5}", "&a [*a]",
+           "*undefined", "!!python/object:os.system x", "2020-01-01", "0x1F", "0o17", "1_000", "9" * 30, "9" * 400,
+           "9" * 5000, "'~/x'", "/tmp/x", "a: b", "[", "{", "- a", "'", '"\\ud800"', "\t", "%YAML 1.1", "---", "!x y",
+           "? [a]\n: b", "<<: {a: 1}", "{<<: {a: 1}}", "[" * 70 + "]" * 70, "x" * 2000, "grpo", "rloo", "dr_grpo",
+           "fp32", "hf", "arithmetic", "math-strict", "fixtures.rewards:digit_overlap", "tiny", "bf16-autocast"]
+
+scalars = st.one_of(
+    st.integers(), st.integers(min_value=-3, max_value=40),
+    st.floats(allow_nan=True, allow_infinity=True), st.floats(min_value=0, max_value=1),
+    st.booleans(), st.none(), st.text(max_size=30),
+)
+values = st.recursive(scalars, lambda inner: st.lists(inner, max_size=4)
+                      | st.dictionaries(st.text(max_size=8), inner, max_size=4), max_leaves=12)
+
+
+def _as_yaml(v) -> str:
+    return json.dumps(v, allow_nan=False) if _finite(v) else str(v)
+
+
+def _finite(v) -> bool:
+    try:
+        json.dumps(v, allow_nan=False)
+        return True
+    except ValueError:
+        return False
+
+
+raw_values = st.one_of(st.sampled_from(SPECIAL), values.map(_as_yaml), st.text(max_size=60))
+keys = st.one_of(st.sampled_from(KEYS), st.sampled_from(KEYS).map(lambda k: k.rsplit(".", 1)[0]),
+                 st.text(alphabet="abcdefgz._ =", max_size=20))
+@functools.lru_cache(maxsize=None)
+def _default(key: str):
+    node = load_config(TINY).to_dict()
+    for part in key.split("."):
+        node = node.get(part) if isinstance(node, dict) else None
+    return node
+
+
+def _plausible(key: str) -> st.SearchStrategy:
+    """Values near the key's default (so that many generated configs are valid and go through the round trip)."""
+    d = _default(key)
+    if isinstance(d, bool):
+        return st.booleans()
+    if isinstance(d, int):
+        return st.just(d) | st.integers(min_value=-1, max_value=3 * abs(d) + 2)
+    if isinstance(d, float) or key.startswith("algorithm.hparams."):
+        base = d if isinstance(d, float) else 0.5
+        return st.just(base) | st.floats(min_value=-2 * abs(base) - 1, max_value=2 * abs(base) + 1)
+    if isinstance(d, list):
+        return st.lists(st.floats(min_value=0, max_value=1, exclude_max=True), min_size=2, max_size=2)
+    if key.endswith(("output_dir", "_path")):
+        return st.sampled_from(["runs/x", "~/runs/y", "/tmp/z", None]) | st.text(min_size=1, max_size=10)
+    return st.sampled_from([d, None]) | st.text(max_size=10)
+
+
+plausible = st.sampled_from(KEYS).flatmap(lambda k: _plausible(k).map(lambda v: f"{k}={_as_yaml(v)}"))
+wild = st.tuples(keys, raw_values).map(lambda kv: f"{kv[0]}={kv[1]}")
+overrides = st.lists(plausible, min_size=1, max_size=4) | st.lists(plausible | wild, min_size=1, max_size=4)
+
+
+def _roundtrip(cfg: Config) -> None:
+    """A config that loads is written atomically and reads back identical (no temporary file left behind)."""
+    with tempfile.TemporaryDirectory() as d:
+        path = Path(d) / "config.yaml"
+        save_config(cfg, path)
+        assert os.listdir(d) == ["config.yaml"]
+        assert load_config(path) == cfg
+
+
+@FUZZ
+@given(overrides)
+def test_fuzz_config_overrides(items):
+    try:
+        cfg = load_config(TINY, items)
+    except ConfigError as e:
+        _one_line(e)
+        return
+    assert isinstance(cfg, Config)
+    _roundtrip(cfg)
+
+
+# ------------------------------------------------------------------------------------------- YAML documents
+
+SECTIONS = [k for k in KEYS if "." not in k] + sorted({k.split(".")[0] for k in KEYS if "." in k}) + ["base"]
+fields = st.dictionaries(st.sampled_from([k.split(".")[-1] for k in KEYS]), values, max_size=4)
+documents = st.dictionaries(st.sampled_from(SECTIONS), fields | values, max_size=5)
+
+
+def _yaml_text(doc) -> str:
+    import yaml
+
+    return yaml.safe_dump(doc, allow_unicode=True)
+
+
+def _nested(items: list[str]) -> dict:
+    from cegppo.config import parse_overrides
+
+    def plain(v):
+        return {k: plain(x) for k, x in v.items()} if isinstance(v, dict) else v
+
+    try:
+        return plain(parse_overrides(items))
+    except ConfigError:
+        return {}
+
+
+yaml_texts = st.one_of(
+    st.lists(plausible, max_size=6).map(_nested).map(_yaml_text),  # well-formed, often valid
+    documents.map(_yaml_text),  # well-formed, mostly invalid settings
+    st.lists(st.tuples(st.sampled_from(SECTIONS), raw_values), max_size=6).map(
+        lambda kvs: "".join(f"{k}: {v}\n" for k, v in kvs)),  # hand-made, often malformed
+    st.lists(st.sampled_from(SPECIAL + ["train:", "  steps: 3", "  - a", "a: &x [1, 2]", "b: *x", "c: [*x, *x]"]),
+             max_size=8).map("\n".join),
+    st.text(max_size=200),
+)
+
+
+@FUZZ
+@given(yaml_texts)
+def test_fuzz_yaml_documents(text):
+    with tempfile.TemporaryDirectory() as d:
+        path = Path(d) / "c.yaml"
+        path.write_text(text, encoding="utf-8", errors="surrogatepass")
+        try:
+            cfg = load_config(path)
+        except ConfigError as e:
+            _one_line(e)
+            return
+    _roundtrip(cfg)
+
+
+@FUZZ
+@given(st.binary(max_size=300))
+def test_fuzz_yaml_bytes(data):
+    with tempfile.TemporaryDirectory() as d:
+        path = Path(d) / "c.yaml"
+        path.write_bytes(data)
+        try:
+            load_config(path)
+        except ConfigError as e:
+            _one_line(e)
+
+
+# ------------------------------------------------------------------------------------------- dataset rows
+
+ROW_KEYS = ["question", "problem", "answer", "prompt", "reward_model", "ground_truth", "id", "solution", "data_source",
+            "role", "content", "user", "x"]
+json_scalars = st.one_of(st.none(), st.booleans(), st.integers(), st.floats(allow_nan=False, allow_infinity=False),
+                         st.text(max_size=20), st.sampled_from(["", " ", "user", "assistant", "1", "Q?"]))
+json_values = st.recursive(json_scalars, lambda inner: st.lists(inner, max_size=3)
+                           | st.dictionaries(st.sampled_from(ROW_KEYS) | st.text(max_size=5), inner, max_size=4),
+                           max_leaves=10)
+message = st.fixed_dictionaries({"role": st.sampled_from(["user", "system", "assistant", 3]),
+                                 "content": st.one_of(st.text(max_size=20), st.integers())})
+plain_row = st.fixed_dictionaries({"question": json_scalars, "answer": json_scalars},
+                                  optional={"id": json_scalars, "solution": json_scalars, "data_source": json_scalars})
+verl_row = st.fixed_dictionaries({"prompt": st.lists(message, max_size=3) | json_values,
+                                  "reward_model": st.fixed_dictionaries({"ground_truth": json_scalars}) | json_values},
+                                 optional={"data_source": json_scalars})
+text = st.text(min_size=1, max_size=20).filter(str.strip)
+good_plain = st.fixed_dictionaries({"question": text,
+                                    "answer": text | st.integers() | st.floats(allow_nan=False, allow_infinity=False)},
+                                   optional={"id": text | st.integers(), "solution": text, "data_source": text})
+good_verl = st.fixed_dictionaries({"prompt": st.lists(st.fixed_dictionaries({"role": st.sampled_from(["user", "system"]),
+                                                                             "content": text}), min_size=1, max_size=2),
+                                   "reward_model": st.fixed_dictionaries({"ground_truth": text | st.integers()})},
+                                  optional={"data_source": text})
+rows = st.one_of(good_plain, good_verl, plain_row, verl_row,
+                 st.dictionaries(st.sampled_from(ROW_KEYS), json_values, max_size=5), json_values)
+lines = st.one_of(rows.map(json.dumps), st.sampled_from(["", "{", "[1]", "null", '{"question": "\\ud800", "answer": 1}',
+                                                         '{"question": "Q", "answer": 1e999}', "NaN", "9" * 5000]),
+                  st.text(max_size=30))
+
+
+def _check_problems(problems) -> None:
+    assert problems and all(isinstance(p, Problem) for p in problems)
+    for p in problems:
+        assert isinstance(p.answer, str) and p.answer.strip() and isinstance(p.id, str) and p.id
+        assert any(m["role"] == "user" for m in p.messages) and p.copies >= 1
+        p.prompt_text.encode("utf-8")
+
+
+def _load(path: Path, **kw):
+    try:
+        _check_problems(load_problems(path, **kw))
+    except DatasetError as e:
+        _one_line(e)
+
+
+good_lines = st.lists(good_plain, min_size=1, max_size=6) | st.lists(good_verl, min_size=1, max_size=6)
+
+
+@FUZZ
+@given(good_lines.map(lambda rs: [json.dumps(r) for r in rs]) | st.lists(lines, min_size=1, max_size=6),
+       st.sampled_from(["auto", "auto", "plain", "verl"]))
+def test_fuzz_dataset_rows_jsonl(body, schema):
+    with tempfile.TemporaryDirectory() as d:
+        path = Path(d) / "d.jsonl"
+        path.write_text("\n".join(body) + "\n", encoding="utf-8", errors="surrogatepass")
+        _load(path, schema=schema)
+
+
+@FUZZ
+@given(good_lines | st.lists(rows, max_size=6))
+def test_fuzz_dataset_rows_json_array(items):
+    with tempfile.TemporaryDirectory() as d:
+        path = Path(d) / "d.json"
+        path.write_text(json.dumps(items))
+        _load(path)
+
+
+@FUZZ
+@given(st.binary(max_size=300), st.sampled_from(["d.jsonl", "d.json"]))
+def test_fuzz_dataset_bytes(data, name):
+    with tempfile.TemporaryDirectory() as d:
+        path = Path(d) / name
+        path.write_bytes(data)
+        _load(path)
