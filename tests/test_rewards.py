@@ -305,3 +305,21 @@ def test_timeout_must_be_finite_and_bounded(timeout):
 def test_scores_must_be_finite(scores):
     with pytest.raises(ValueError, match="must be a finite number"):
         RewardFn(lambda c, a: True, correct_score=scores[0], incorrect_score=scores[1])
+
+
+def test_no_math_verify_timeout_warning(caplog, monkeypatch):
+    """Our per-item timer guards the grader, so math-verify's "Timeout is disabled" warning never shows."""
+    import logging
+
+    import math_verify.grader
+    import math_verify.parser
+
+    from cegppo.data.rewards import load_reward
+
+    monkeypatch.setattr(math_verify.parser, "TIMEOUT_WARNING_SHOWN", False)  # as in a fresh process
+    monkeypatch.setattr(math_verify.grader, "TIMEOUT_WARNING_SHOWN", False)
+
+    with caplog.at_level(logging.WARNING):
+        result = load_reward("math-lenient", timeout=5.0)(["so \\boxed{\\frac{1}{2}}", "x"], ["0.5", "3"])
+    assert result.correct == [True, False]
+    assert "Timeout is disabled" not in caplog.text

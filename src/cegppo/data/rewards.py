@@ -61,11 +61,22 @@ def last_boxed(text: str) -> str | None:
     return None
 
 
+def _quiet_math_verify() -> None:
+    """math-verify warns "Timeout is disabled ... provide the logic for timeout interruption yourself" the first
+    time it runs without its own timer. Inside RewardFn we do exactly that (the per-item ``reward.timeout_s``
+    alarm interrupts a hung grader), so mark the warning as shown instead of printing it on every run."""
+    import math_verify.grader
+    import math_verify.parser
+
+    math_verify.parser.TIMEOUT_WARNING_SHOWN = math_verify.grader.TIMEOUT_WARNING_SHOWN = True
+
+
 def _parse(text: str) -> list:
     from math_verify import parse
 
     if _mv_timeouts_allowed():
         return parse(text)
+    _quiet_math_verify()
     return parse(text, parsing_timeout=None)
 
 
@@ -74,6 +85,7 @@ def _verify(gold: list, pred: list) -> bool:
 
     if _mv_timeouts_allowed():
         return bool(verify(gold, pred))
+    _quiet_math_verify()
     return bool(verify(gold, pred, timeout_seconds=None))
 
 
