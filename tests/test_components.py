@@ -204,3 +204,13 @@ def test_algorithm_blocks_import_nothing_but_torch():
             "'cegppo.data', 'cegppo.reporting'))]; print(bad); sys.exit(bool(bad))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert out.returncode == 0, out.stdout + out.stderr
+
+
+def test_default_aggregation_is_the_objectives_own(tiny_config):
+    """algorithm.agg unset: GSPO aggregates seq-mean-token-mean (its published form), the rest token-mean."""
+    lp, old, adv, mask, *_ = batch()
+    gspo = get_objective("gspo")
+    loss, _ = policy_loss(gspo, lp, old, adv, mask, agg=tiny_config().algorithm.agg)
+    want = aggregate(gspo.token_loss(lp, old, adv, mask), mask, "seq-mean-token-mean")
+    torch.testing.assert_close(loss, want, rtol=0, atol=1e-12)
+    assert tiny_config("algorithm.objective=gspo", "algorithm.hparams={}").algorithm.agg is None

@@ -86,7 +86,7 @@ class RewardConfig:
 class AlgorithmConfig:
     objective: str = "ce_gppo"
     hparams: dict = field(default_factory=dict)  # objective hyperparameters, e.g. {beta1: 0.75, beta2: 1.0}
-    agg: str = "token-mean"
+    agg: str | None = None  # loss aggregation; None: the objective's own (token-mean; GSPO: seq-mean-token-mean)
     advantage: str = "grpo"  # grpo | dr_grpo | rloo
     adv_eps: float = 1e-6
     dynamic_sampling: bool = False  # DAPO: keep only groups whose rewards are not all equal
@@ -563,7 +563,7 @@ def validate(cfg: Config) -> None:
         get_objective(a.objective, **a.hparams)
     except ValueError as e:
         raise ConfigError(f"algorithm.objective / algorithm.hparams: {e}") from None
-    need(a.agg in AGGREGATIONS, "algorithm.agg", f"one of {AGGREGATIONS}", a.agg)
+    need(a.agg is None or a.agg in AGGREGATIONS, "algorithm.agg", f"one of {AGGREGATIONS} or null", a.agg)
     need(a.advantage in ESTIMATORS, "algorithm.advantage", f"one of {ESTIMATORS}", a.advantage)
     need(a.adv_eps > 0, "algorithm.adv_eps", "a finite number > 0 (it keeps (R - mean) / (std + eps) finite)",
          a.adv_eps)
