@@ -14,6 +14,7 @@ from typing import Any
 
 import yaml
 
+from cegppo.algorithm.entropy_control import EntropyControlConfig, validate_entropy_control
 from cegppo.io import atomic_write_text
 
 
@@ -78,6 +79,7 @@ class AlgorithmConfig:
     kl_coeff: float = 0.0  # k3 KL to the frozen initial policy (off in every CE-GPPO script)
     entropy_coeff: float = 0.0  # entropy bonus (off in every CE-GPPO script)
     prob_threshold: float = 0.5  # quadrant split: pi_old(token) >= threshold is "high probability"
+    entropy_control: EntropyControlConfig = field(default_factory=EntropyControlConfig)  # entropy autopilot (off)
 
 
 @dataclass
@@ -292,6 +294,7 @@ def validate(cfg: Config) -> None:
         v = getattr(cfg.algorithm, key)
         need(math.isfinite(v) and v >= 0, f"algorithm.{key}", "a finite number >= 0", v)
     need(0 < cfg.algorithm.prob_threshold < 1, "algorithm.prob_threshold", "in (0, 1)", cfg.algorithm.prob_threshold)
+    validate_entropy_control(cfg.algorithm.entropy_control, cfg.algorithm.objective, cfg.algorithm.hparams)
     need(cfg.algorithm.max_num_gen_batches >= 1, "algorithm.max_num_gen_batches", ">= 1", cfg.algorithm.max_num_gen_batches)
     need(cfg.model.precision in ("fp32", "bf16-autocast"), "model.precision", "fp32 or bf16-autocast", cfg.model.precision)
     need(cfg.model.rollout_dtype in ("bfloat16", "float32"), "model.rollout_dtype", "bfloat16 or float32", cfg.model.rollout_dtype)
