@@ -169,10 +169,11 @@ class EntropyController:
             self.target = self.cfg.target
 
 
-def build_controller(algorithm: Any, hparams: dict[str, Any]) -> EntropyController | None:
-    """The controller ``algorithm.entropy_control`` asks for (``None`` when off), starting at the objective's
-    betas ``hparams`` (the bound hyperparameters of a ``ce_gppo`` / ``gppo`` objective)."""
-    cfg = getattr(algorithm, "entropy_control", None)
+def build_controller(cfg: EntropyControlConfig | dict | None, hparams: dict[str, Any]) -> EntropyController | None:
+    """The controller ``cfg`` asks for (``None`` when absent or off), starting at the betas of the objective's
+    bound hyperparameters ``hparams`` (a ``ce_gppo`` / ``gppo`` objective)."""
+    if isinstance(cfg, dict):
+        cfg = EntropyControlConfig(**cfg)
     if cfg is None or not cfg.enabled:
         return None
     if "beta1" not in hparams or "beta2" not in hparams:

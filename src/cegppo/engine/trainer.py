@@ -56,7 +56,7 @@ class Trainer:
         self.run = RunDir(cfg.output_dir)
         configure_torch(cfg.train)
         self.objective = get_objective(cfg.algorithm.objective, **cfg.algorithm.hparams)
-        self.controller = build_controller(cfg.algorithm, self.objective.hparams)  # entropy autopilot; None when off
+        self.controller = build_controller(cfg.algorithm.entropy_control, self.objective.hparams)  # entropy autopilot
         self.reward_fn = build_reward(cfg.reward.fn, cfg.reward)
         self.train_problems, self.test_problems = load_splits(cfg)
         self.data = DataOrder(self.train_problems, cfg.train.seed)
