@@ -275,3 +275,75 @@ def test_registering_a_plain_autograd_objective():
         assert {"clip/low_frac", "clip/high_frac", "ppo_kl"} <= set(m)
     finally:
         del OBJECTIVES["test_vanilla_pg"]
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Clip-Cov / KL-Cov against verl's implementations (the same inputs, the same torch seed for Clip-Cov's draw)
+# ---------------------------------------------------------------------------------------------------------
+
+
+def _cov_batch(seed: int, B: int = 8, T: int = 40):
+    """Token-level advantages and log-probs spread enough that many tokens have covariance in (1, 5)."""
+    g = torch.Generator().manual_seed(seed)
+    lp = -torch.rand(B, T, generator=g, dtype=torch.float64) * 4 - 0.05
+    old = lp + torch.randn(B, T, generator=g, dtype=torch.float64) * 0.3
+    adv = torch.randn(B, T, generator=g, dtype=torch.float64) * 2
+    lengths = torch.randint(T // 3, T + 1, (B,), generator=g)
+    mask = torch.arange(T)[None, :] < lengths[:, None]
+    return lp, old, adv, mask
+
+
+def _verl_cov_config(**policy_loss):
+    from verl.workers.config import ActorConfig, PolicyLossConfig
+
+    return ActorConfig(strategy="fsdp", rollout_n=1, ppo_micro_batch_size_per_gpu=1, ppo_mini_batch_size=1,
+                       clip_ratio_low=0.2, clip_ratio_high=0.2, policy_loss=PolicyLossConfig(**policy_loss))
+
+
+@pytest.mark.parametrize("name,hp", [
+    ("clip_cov", {}),  # verl's defaults: one token (2e-4 of ~200) drawn among the candidates
+    ("clip_cov", {"clip_cov_ratio": 0.05}),
+    ("clip_cov", {"clip_cov_ratio": 0.5, "clip_cov_lb": 0.5, "clip_cov_ub": 3.0}),  # more candidates than drawn
+    ("kl_cov", {}),
+    ("kl_cov", {"kl_cov_ratio": 0.1, "ppo_kl_coef": 1.0}),
+])
+def test_cov_objectives_match_verl(name, hp):
+    pytest.importorskip("verl")
+    from verl.trainer.ppo.core_algos import get_policy_loss_fn
+
+    ours = get_objective(name, **hp)
+    verl_fn = get_policy_loss_fn(name)
+    for seed in range(4):
+        lp, old, adv, mask = _cov_batch(seed)
+        x_ref, x = lp.clone().requires_grad_(True), lp.clone().requires_grad_(True)
+        torch.manual_seed(seed)
+        ref, _ = verl_fn(old_log_prob=old, log_prob=x_ref, advantages=adv, response_mask=mask,
+                         loss_agg_mode="token-mean", config=_verl_cov_config(**hp))
+        ref.backward()
+        torch.manual_seed(seed)
+        loss = aggregate(ours.token_loss(x, old, adv, mask), mask, "token-mean")
+        loss.backward()
+        torch.testing.assert_close(loss, ref, rtol=1e-12, atol=1e-15)
+        torch.testing.assert_close(x.grad, x_ref.grad, rtol=1e-12, atol=1e-15)
+        # the selection acted: some masked tokens differ from the plain (unclipped / clipped) surrogate
+        plain = get_objective("ppo_clip").token_loss(lp, old, adv, mask) if name == "clip_cov" else -adv * (lp - old).exp()
+        assert ((ours.token_loss(lp, old, adv, mask) - plain).abs() * mask).sum() > 0
+
+
+def test_cov_objectives_select_the_documented_tokens():
+    lp, old, adv, mask = _cov_batch(0)
+    m = mask.double()
+    # KL-Cov: the top-k centred covariances over the masked tokens get + coef * |log r|
+    k = max(1, int(m.sum().item() * 0.1))
+    per = get_objective("kl_cov", kl_cov_ratio=0.1, ppo_kl_coef=1.0).token_loss(lp, old, adv, mask)
+    extra = (per - (-adv * (lp - old).exp())) * m
+    cov = (adv[mask] - adv[mask].mean()) * (lp[mask] - lp[mask].mean())
+    top = torch.topk(cov, k).indices
+    assert set(torch.nonzero(extra[mask]).flatten().tolist()) == set(top.tolist())
+    torch.testing.assert_close(extra[mask][top], (lp - old).abs()[mask][top])
+    # Clip-Cov: exactly max(1, int(ratio * n)) tokens zeroed, all with covariance in (lb, ub), none clipped by PPO
+    per = get_objective("clip_cov", clip_cov_ratio=0.05).token_loss(lp, old, adv, mask)
+    zeroed = (per == 0) & mask & (adv != 0)
+    assert int(zeroed.sum()) == max(1, int(0.05 * m.sum().item()))
+    c = (adv - (adv * m).sum() / m.sum()) * (lp - (lp * m).sum() / m.sum())
+    assert ((c[zeroed] > 1.0) & (c[zeroed] < 5.0)).all()

@@ -141,3 +141,38 @@ def test_config_validation(tmp_path):
     obj = CEGPPOConfig(**_common(tmp_path), epsilon=0.2, epsilon_high=0.28, beta1=0.5).build_objective()
     assert obj.hparams == dict(eps_low=0.2, eps_high=0.28, beta1=0.5, beta2=1.0, clip_ratio_c=10.0)
     assert CEGPPOConfig(**_common(tmp_path), objective="gppo").build_objective().hparams["beta1"] == 1.0
+
+
+def test_entropy_control_steers_logs_and_checkpoints(tiny_model, tmp_path):
+    """Two generation batches (num_iterations=2): the controller updates before each, from the previous batch's
+    entropy; a target far below the entropy drives beta1 up; its state is in the checkpoint and restores."""
+    from cegppo.integrations.trl import CONTROL_STATE
+
+    control = {"enabled": True, "target_mode": "absolute", "target": 0.05, "kp": 0.5, "ki": 0.1}
+    args = CEGPPOConfig(**{**_common(tmp_path, max_steps=4, num_iterations=2, learning_rate=3e-2),
+                           "save_strategy": "steps", "save_steps": 4}, beta1=0.5, beta2=1.0, entropy_control=control)
+    trainer = CEGPPOTrainer(model=tiny_model, reward_funcs=[digit_reward], args=args, train_dataset=_dataset())
+    trainer.train()
+    ctl = trainer.entropy_controller
+    assert ctl.updates == 1  # generation 1: nothing measured yet; generation 2: the first batch's entropy
+    assert ctl.beta1 > 0.5 and ctl.beta2 == 1.0 and trainer.objective.hparams["beta1"] == ctl.beta1
+    logs = [h for h in trainer.state.log_history if "control/beta1" in h]
+    assert [h["control/beta1"] for h in logs][0] == 0.5 and logs[-1]["control/beta1"] == ctl.beta1
+    assert logs[-1]["control/error"] > 0  # entropy above the target
+    state = tmp_path / "checkpoint-4" / CONTROL_STATE
+    assert state.exists()
+    fresh = CEGPPOTrainer(model=tiny_model, reward_funcs=[digit_reward], args=args, train_dataset=_dataset())
+    fresh._load_entropy_control(str(tmp_path / "checkpoint-4"))
+    assert fresh.entropy_controller.state_dict() == ctl.state_dict()
+    assert fresh.objective.hparams["beta1"] == ctl.beta1
+
+
+def test_entropy_control_config_validation(tmp_path):
+    with pytest.raises(ValueError, match="only"):
+        CEGPPOConfig(**_common(tmp_path), objective="ppo_clip", entropy_control={"enabled": True})
+    with pytest.raises(ValueError, match="bogus"):
+        CEGPPOConfig(**_common(tmp_path), entropy_control={"enabled": True, "bogus": 1})
+    from cegppo.algorithm.entropy_control import EntropyControlConfig
+
+    args = CEGPPOConfig(**_common(tmp_path), entropy_control=EntropyControlConfig(enabled=True, target=0.7))
+    assert args.entropy_control["target"] == 0.7 and isinstance(args.entropy_control, dict)

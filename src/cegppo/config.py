@@ -21,6 +21,7 @@ from typing import Any
 
 import yaml
 
+from cegppo.algorithm.entropy_control import EntropyControlConfig, validate_entropy_control
 from cegppo.io import atomic_write_text, one_line
 
 
@@ -97,6 +98,7 @@ class AlgorithmConfig:
     kl_coeff: float = 0.0  # k3 KL to the frozen initial policy (off in every CE-GPPO script)
     entropy_coeff: float = 0.0  # entropy bonus (off in every CE-GPPO script)
     prob_threshold: float = 0.5  # quadrant split: pi_old(token) >= threshold is "high probability"
+    entropy_control: EntropyControlConfig = field(default_factory=EntropyControlConfig)  # entropy autopilot (off)
 
 
 @dataclass
@@ -570,6 +572,7 @@ def validate(cfg: Config) -> None:
     for key in ("positive_loss_coeff", "kl_coeff", "entropy_coeff"):
         need(getattr(a, key) >= 0, f"algorithm.{key}", "a finite number >= 0", getattr(a, key))
     need(0 < a.prob_threshold < 1, "algorithm.prob_threshold", "in (0, 1)", a.prob_threshold)
+    validate_entropy_control(a.entropy_control, a.objective, a.hparams)
     need(a.max_num_gen_batches >= 1, "algorithm.max_num_gen_batches", ">= 1", a.max_num_gen_batches)
 
     r = cfg.rollout

@@ -28,8 +28,8 @@ from torch import Tensor
 from cegppo.algorithm.clipping import (ClipBounds, broadcast_advantages, clip_masks, clip_ratio, dual_clip_mask,
                                        log_ratio)
 
-__all__ = ["AGGREGATIONS", "OBJECTIVES", "Objective", "aggregate", "ce_gppo", "check_hparams", "cispo",
-           "get_objective", "gspo", "ppo_clip", "register_objective", "with_gradient"]
+__all__ = ["AGGREGATIONS", "OBJECTIVES", "Objective", "aggregate", "ce_gppo", "check_hparams", "cispo", "clip_cov",
+           "get_objective", "gspo", "kl_cov", "ppo_clip", "register_objective", "with_gradient"]
 
 
 class _WithGradient(torch.autograd.Function):
@@ -114,6 +114,60 @@ def gspo(log_prob: Tensor, old_log_prob: Tensor, adv: Tensor, mask: Tensor, *, e
     return -adv * torch.where(low, 1.0 - eps_low, torch.where(high, 1.0 + eps_high, token_form))
 
 
+def _masked_mean(values: Tensor, mask: Tensor) -> Tensor:
+    return (values * mask).sum() / (mask.sum() + 1e-8)  # verl_F.masked_mean, epsilon included
+
+
+def clip_cov(log_prob: Tensor, old_log_prob: Tensor, adv: Tensor, mask: Tensor, *, eps_low: float = 0.2,
+             eps_high: float = 0.2, clip_cov_ratio: float = 2e-4, clip_cov_lb: float = 1.0,
+             clip_cov_ub: float = 5.0) -> Tensor:
+    """Clip-Cov (Cui et al. 2025, "The Entropy Mechanism of RL for Reasoning LMs"), as verl's ``clip_cov``.
+
+    PPO-clip, plus: among the tokens the clip leaves alone, those whose centred covariance
+    ``(A - mean A) (log pi - mean log pi)`` (means over the masked tokens of this batch) lies in
+    ``(clip_cov_lb, clip_cov_ub)`` are candidates; ``max(1, int(clip_cov_ratio * n_tokens))`` of them, drawn
+    at random with ``torch.randperm`` (torch's global generator, as verl), get zero loss and no gradient.
+    The draw is per call: the diagnostics' re-evaluation (``gradient_weight``) draws its own subset.
+    """
+    ratio = log_ratio(log_prob, old_log_prob).exp()
+    pg1 = -adv * ratio
+    pg2 = -adv * ratio.clamp(1.0 - eps_low, 1.0 + eps_high)
+    valid = mask > 0
+    clipped = (pg2 > pg1) & valid
+    with torch.no_grad():
+        cov = (adv - _masked_mean(adv, mask)) * (log_prob - _masked_mean(log_prob, mask))
+        cov = cov.masked_fill(~valid | clipped, -torch.inf)
+        candidates = torch.nonzero((cov < clip_cov_ub) & (cov > clip_cov_lb) & valid)
+        n_clip = max(int(clip_cov_ratio * valid.sum().item()), 1)
+        corr = torch.ones_like(pg1)
+        if len(candidates):
+            chosen = candidates[torch.randperm(len(candidates))[:n_clip]]
+            corr[chosen[:, 0], chosen[:, 1]] = 0.0
+    return torch.maximum(pg1, pg2) * corr
+
+
+def kl_cov(log_prob: Tensor, old_log_prob: Tensor, adv: Tensor, mask: Tensor, *, kl_cov_ratio: float = 2e-4,
+           ppo_kl_coef: float = 0.1) -> Tensor:
+    """KL-Cov (Cui et al. 2025), as verl's ``kl_cov``: the unclipped surrogate ``-A r``, plus
+    ``ppo_kl_coef * |log r|`` on the ``max(1, int(kl_cov_ratio * n_tokens))`` masked tokens of largest centred
+    covariance ``(A - mean A) (log pi - mean log pi)`` (plain means over the masked tokens of this batch)."""
+    lr = log_ratio(log_prob, old_log_prob)
+    loss = -adv * lr.exp()
+    adv = adv.expand_as(log_prob)
+    valid = mask > 0
+    n = int(valid.sum().item())
+    if n == 0:
+        return loss
+    with torch.no_grad():
+        a, lp = adv[valid], log_prob[valid]
+        cov = (a - a.mean()) * (lp - lp.mean())
+        top = torch.topk(cov, max(1, int(n * kl_cov_ratio)), largest=True).indices
+        sel = torch.zeros(n, dtype=torch.bool, device=log_prob.device)
+        sel[top] = True
+        penalised = torch.zeros_like(valid).masked_scatter(valid, sel)
+    return torch.where(penalised, loss + ppo_kl_coef * lr.abs(), loss)
+
+
 # ---------------------------------------------------------------------------------------------------------
 # Aggregation, with global normalisers so that micro-batch losses sum exactly to the mini-batch loss.
 # ---------------------------------------------------------------------------------------------------------
@@ -180,6 +234,10 @@ register_objective("ppo_clip", ppo_clip, dict(eps_low=0.2, eps_high=0.2, clip_ra
 register_objective("grpo", ppo_clip, dict(eps_low=0.2, eps_high=0.2, clip_ratio_c=None), doc="ppo_clip with eps 0.2/0.2")
 register_objective("dapo", ppo_clip, dict(eps_low=0.2, eps_high=0.28, clip_ratio_c=None), doc="ppo_clip, clip-higher 0.28")
 register_objective("cispo", cispo, dict(eps_low=0.2, eps_high=0.28), doc="CISPO, two-sided clamp")
+register_objective("clip_cov", clip_cov, dict(eps_low=0.2, eps_high=0.2, clip_cov_ratio=2e-4, clip_cov_lb=1.0,
+                                              clip_cov_ub=5.0), doc="Clip-Cov (Cui et al. 2025), verl's defaults")
+register_objective("kl_cov", kl_cov, dict(kl_cov_ratio=2e-4, ppo_kl_coef=0.1),
+                   doc="KL-Cov (Cui et al. 2025), verl's defaults; no clip")
 register_objective("gspo", gspo, dict(eps_low=3e-4, eps_high=4e-4), default_agg="seq-mean-token-mean",
                    sequence_level=True, doc="GSPO sequence-level ratio")
 
@@ -197,6 +255,15 @@ def check_hparams(name: str, hp: dict[str, Any]) -> None:
         v = hp.get(key)
         if v is not None and not (finite(v) and v >= 0.0):
             raise ValueError(f"{name}: {key} must be a finite number >= 0, got {v!r}")
+    for key in ("clip_cov_ratio", "kl_cov_ratio"):  # Clip-Cov / KL-Cov: share of tokens selected
+        v = hp.get(key)
+        if v is not None and not (finite(v) and 0.0 < v <= 1.0):
+            raise ValueError(f"{name}: {key} must be a number in (0, 1], got {v!r}")
+    if "ppo_kl_coef" in hp and not (finite(hp["ppo_kl_coef"]) and hp["ppo_kl_coef"] >= 0.0):
+        raise ValueError(f"{name}: ppo_kl_coef must be a finite number >= 0, got {hp['ppo_kl_coef']!r}")
+    if "clip_cov_lb" in hp and not (finite(hp["clip_cov_lb"]) and finite(hp["clip_cov_ub"])
+                                    and hp["clip_cov_lb"] < hp["clip_cov_ub"]):
+        raise ValueError(f"{name}: need clip_cov_lb < clip_cov_ub, got {hp['clip_cov_lb']!r}, {hp['clip_cov_ub']!r}")
     c = hp.get("clip_ratio_c")
     if c is not None and not (finite(c) and c > 1.0):
         raise ValueError(f"{name}: clip_ratio_c must be > 1 (or None to disable the dual clip), got {c!r}")
@@ -223,8 +290,11 @@ class Objective:
 
     @property
     def clip_bounds(self) -> ClipBounds:
+        """Where the diagnostics place the clip regions; an objective without a clip interval (``kl_cov``) is
+        reported against PPO's 0.2 / 0.2, for comparison."""
         hp = self.hparams
-        return ClipBounds(hp["eps_low"], hp["eps_high"], hp.get("clip_ratio_c"), self.spec.sequence_level)
+        return ClipBounds(hp.get("eps_low", 0.2), hp.get("eps_high", 0.2), hp.get("clip_ratio_c"),
+                          self.spec.sequence_level)
 
     def token_loss(self, log_prob: Tensor, old_log_prob: Tensor, advantages: Tensor, mask: Tensor) -> Tensor:
         """Per-token loss ``[B, T]`` (the negated objective; not masked, not aggregated), differentiable."""

@@ -15,6 +15,7 @@ from torch import Tensor
 
 from cegppo.algorithm.advantages import group_advantages, mixed_groups, overlong_penalty
 from cegppo.algorithm.diagnostics import MetricAccumulator
+from cegppo.algorithm.entropy_control import build_controller
 from cegppo.algorithm.logprobs import sequence_token_stats
 from cegppo.algorithm.objectives import get_objective
 from cegppo.algorithm.policy_loss import policy_loss
@@ -56,6 +57,7 @@ class Trainer:
         self.run = RunDir(cfg.output_dir)
         configure_torch(cfg.train)
         self.objective = get_objective(cfg.algorithm.objective, **cfg.algorithm.hparams)
+        self.controller = build_controller(cfg.algorithm.entropy_control, self.objective.hparams)  # entropy autopilot
         self.reward_fn = build_reward(cfg.reward.fn, cfg.reward)
         self.train_problems, self.test_problems = load_splits(cfg)
         check_data(cfg, self.train_problems, self.test_problems)  # before any model loads
@@ -74,6 +76,8 @@ class Trainer:
         if resume_from is not None:
             self.state.update(ckpt.load_training_state(resume_from, self.optimizer, self.scheduler))
             log.info("resumed from %s at step %d", resume_from, self.state["step"])
+        if self.controller is not None and "entropy_control" in self.state:
+            self.controller.load_state_dict(self.state["entropy_control"])
         self.run.truncate_logs(self.state["step"], resumed=resume_from is not None)
         self.engine = build_rollout(cfg, self.model, self.tokenizer)
         self.run.save_config(cfg)
@@ -91,6 +95,7 @@ class Trainer:
             self.model.train()
             self.progress.phase("old log-probs")
             metrics["entropy"] = self.old_log_probs(exp)  # the rollout policy's log-probs, entropy (and reference)
+            metrics.update(self.steer(metrics["entropy"]))  # entropy autopilot: this step's betas (off: nothing)
             mini_batches = torch.arange(len(exp.rewards)).tensor_split(cfg.train.mini_batches) * cfg.train.ppo_epochs
             for i, mb in enumerate(mini_batches, 1):  # one optimizer step per mini-batch; the later ones are off-policy
                 self.progress.phase(f"update {i}/{len(mini_batches)}")
@@ -105,6 +110,17 @@ class Trainer:
         self.state["step"] = step
         metrics.update(step=step, **{"time/step_s": time.perf_counter() - t0, "time/rollout_s": t_gen})
         return metrics
+
+    def steer(self, entropy: float | None) -> dict:
+        """Entropy autopilot (``algorithm.entropy_control``): update the controller from the rollouts' entropy,
+        rebuild the objective with its betas, keep its state for the checkpoint; returns the ``control/*`` metrics."""
+        if self.controller is None:
+            return {}
+        out = self.controller.update(entropy)
+        self.objective = get_objective(self.objective.name, **{**self.objective.hparams, "beta1": out["beta1"],
+                                                               "beta2": out["beta2"]})
+        self.state["entropy_control"] = self.controller.state_dict()
+        return {k: v for k, v in out.items() if k.startswith("control/")}
 
     def collect(self, step: int) -> tuple[Experience | None, dict]:
         """Generate, grade and compute advantages; with dynamic sampling keep only mixed-reward groups,

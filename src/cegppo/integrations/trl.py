@@ -14,6 +14,13 @@ plus ``clip/low_frac``, ``clip/high_frac``, ``clip/dual_frac``, ``ppo_kl``, ``ra
 ``quadrant/<Q>/{frac,entropy}`` (Q in PA_HP, PA_LP, NA_HP, NA_LP) of :func:`cegppo.algorithm.diagnostics.quadrant_metrics`,
 using the entropies TRL computes (no ``dH``: that needs the collision term, which TRL does not compute).
 
+Entropy autopilot: ``CEGPPOConfig(entropy_control={"enabled": True, "target": 0.7, ...})`` (the fields of
+:class:`cegppo.algorithm.entropy_control.EntropyControlConfig`) runs the same controller as cegppo's trainer, once
+per generation batch, just before TRL generates the next one. Its entropy is the token mean of the entropies TRL
+computes in the loss over the previous generation batch's first pass (each completion once, reduced over all
+processes): the policy during that batch's updates, where cegppo's trainer uses the rollout policy before them.
+It logs ``control/*`` and saves its state as ``entropy_control_state.json`` in each checkpoint.
+
 CE-GPPO only differs from GRPO/DAPO when the update is off-policy (ratio != 1): use ``num_iterations > 1`` or
 ``steps_per_generation > gradient_accumulation_steps``. The trainer warns otherwise.
 
@@ -26,15 +33,18 @@ Example::
 
 from __future__ import annotations
 
+import json
 import math
+import os
 import warnings
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import torch
 from trl import GRPOConfig, GRPOTrainer
 
 from cegppo.algorithm.diagnostics import metric_weight
+from cegppo.algorithm.entropy_control import EntropyControlConfig, build_controller, validate_entropy_control
 from cegppo.algorithm.objectives import OBJECTIVES, Objective, get_objective
 from cegppo.algorithm.policy_loss import policy_loss
 
@@ -50,6 +60,8 @@ ON_POLICY_WARNING = (
     "ever leaves the clip interval, and CE-GPPO is exactly GRPO/DAPO. Set num_iterations > 1 or "
     "steps_per_generation > gradient_accumulation_steps to let beta1/beta2 act."
 )
+
+CONTROL_STATE = "entropy_control_state.json"  # the controller's state, in each checkpoint directory
 
 # optional model inputs TRL forwards to `_get_per_token_logps_and_entropies` (multimodal models)
 _MODEL_KWARGS = ("pixel_values", "image_grid_thw", "num_images", "pixel_attention_mask", "spatial_shapes", "num_tiles",
@@ -76,6 +88,8 @@ class CEGPPOConfig(GRPOConfig):
     beta2: float = field(default=_CE_GPPO["beta2"], metadata={"help": "CE-GPPO beta2 (A > 0, ratio > 1 + epsilon_high)"})
     clip_ratio_c: float | None = field(default=_CE_GPPO["clip_ratio_c"],
                                        metadata={"help": "dual-clip bound for A < 0; None: off"})
+    entropy_control: dict | None = field(default=None, metadata={
+        "help": "entropy autopilot: the fields of cegppo's EntropyControlConfig, e.g. {'enabled': true, 'target': 0.7}"})
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -90,7 +104,15 @@ class CEGPPOConfig(GRPOConfig):
             raise ValueError("CEGPPOConfig: CE-GPPO clips per-token ratios; importance_sampling_level must be 'token'")
         if self.delta is not None:
             raise ValueError("CEGPPOConfig: use clip_ratio_c (dual clip) instead of delta")
-        self.build_objective()  # validate the hyperparameters now rather than at the first loss
+        objective = self.build_objective()  # validate the hyperparameters now rather than at the first loss
+        if isinstance(self.entropy_control, EntropyControlConfig):
+            self.entropy_control = asdict(self.entropy_control)  # kept a plain dict: TrainingArguments serialise it
+        if self.entropy_control is not None:
+            try:
+                ec = EntropyControlConfig(**self.entropy_control)
+            except TypeError as e:
+                raise ValueError(f"CEGPPOConfig.entropy_control: {e}") from None
+            validate_entropy_control(ec, self.objective, objective.hparams, where="CEGPPOConfig.entropy_control")
 
     def build_objective(self) -> Objective:
         """The :class:`cegppo.algorithm.objectives.Objective` this config describes."""
@@ -114,6 +136,8 @@ class CEGPPOTrainer(GRPOTrainer):
         if not isinstance(self.args, CEGPPOConfig):
             raise TypeError(f"CEGPPOTrainer needs args=CEGPPOConfig(...), got {type(self.args).__name__}")
         self.objective = self.args.build_objective()
+        self.entropy_controller = build_controller(self.args.entropy_control, self.objective.hparams)
+        self._control_stats: torch.Tensor | None = None  # [sum of entropy, tokens] over the current generation batch
         if is_on_policy(self.args):
             warnings.warn(ON_POLICY_WARNING, UserWarning, stacklevel=2)
 
@@ -133,6 +157,7 @@ class CEGPPOTrainer(GRPOTrainer):
             self.get_high_entropy_mask(entropies, mask, 1 - self.top_entropy_quantile)
             if self.top_entropy_quantile < 1.0 else None
         )
+        self._collect_control_entropy(entropies, mask)
 
         old_per_token_logps = inputs.get("old_per_token_logps")
         old_per_token_logps = per_token_logps.detach() if old_per_token_logps is None else old_per_token_logps
@@ -172,6 +197,65 @@ class CEGPPOTrainer(GRPOTrainer):
             self._metrics[mode]["aux_loss"].append(self.accelerator.gather_for_metrics(aux_loss).mean().item())
         self._log_metrics(mode, metrics, mask)
         return loss
+
+    # ----------------------------------------------------------------------------------------------------
+    # entropy autopilot (cegppo.algorithm.entropy_control): measured in the loss, applied per generation batch
+
+    def _generation_due(self) -> bool:
+        """Whether GRPOTrainer._prepare_inputs generates a new batch at this step (its own condition)."""
+        return self._step % (self.args.steps_per_generation * self.num_iterations) == 0 or self._buffered_inputs is None
+
+    def _collect_control_entropy(self, entropies: torch.Tensor, mask: torch.Tensor) -> None:
+        """Add this micro-batch's entropy to the generation batch's sum, on its first pass only (each completion
+        once)."""
+        first_pass = self._step % (self.args.steps_per_generation * self.num_iterations) < self.args.steps_per_generation
+        if self.entropy_controller is None or not self.model.training or not first_pass:
+            return
+        stats = torch.stack([(entropies.detach() * mask).sum(), mask.sum()]).float()
+        self._control_stats = stats if self._control_stats is None else self._control_stats + stats
+
+    def _prepare_inputs(self, generation_batch: dict[str, Any]) -> dict[str, Any]:
+        if self.entropy_controller is not None and self.model.training and self._generation_due():
+            self._steer()
+        return super()._prepare_inputs(generation_batch)
+
+    def _steer(self) -> None:
+        """One controller update from the last generation batch's entropy (none before the first: no change);
+        the objective is rebuilt with the new betas and ``control/*`` logged."""
+        local = self._control_stats if self._control_stats is not None else torch.zeros(2, device=self.accelerator.device)
+        self._control_stats = None
+        total = self.accelerator.reduce(local, reduction="sum")  # every process steers at the same step
+        entropy = float(total[0] / total[1]) if float(total[1]) > 0 else None
+        out = self.entropy_controller.update(entropy)
+        self.objective = get_objective(self.objective.name, **{**self.objective.hparams, "beta1": out["beta1"],
+                                                               "beta2": out["beta2"]})
+        for k, v in out.items():
+            if k.startswith("control/"):
+                self._metrics["train"][k].append(v)
+
+    def _save_checkpoint(self, model: Any, trial: Any) -> None:
+        super()._save_checkpoint(model, trial)
+        if self.entropy_controller is not None and self.args.should_save:
+            from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
+
+            path = os.path.join(self._get_output_dir(trial=trial), f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}",
+                                CONTROL_STATE)
+            with open(path, "w") as f:
+                json.dump(self.entropy_controller.state_dict(), f)
+
+    def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
+        super()._load_optimizer_and_scheduler(checkpoint)
+        self._load_entropy_control(checkpoint)
+
+    def _load_entropy_control(self, checkpoint: str | None) -> None:
+        """Restore the controller from ``checkpoint`` (the objective follows at the next generation batch)."""
+        path = None if checkpoint is None else os.path.join(checkpoint, CONTROL_STATE)
+        if self.entropy_controller is not None and path is not None and os.path.exists(path):
+            with open(path) as f:
+                self.entropy_controller.load_state_dict(json.load(f))
+            b = self.entropy_controller
+            self.objective = get_objective(self.objective.name, **{**self.objective.hparams, "beta1": b.beta1,
+                                                                   "beta2": b.beta2})
 
     # ----------------------------------------------------------------------------------------------------
     # pieces of GRPOTrainer._compute_loss (TRL 1.16.0) kept as they are there

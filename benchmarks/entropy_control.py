@@ -1,0 +1,336 @@
+"""Entropy autopilot against the field's entropy controls (issue 15, item 4).
+
+    python benchmarks/entropy_control.py                  # CPU scale: 7 configurations x 2 seeds (~75 CPU-minutes)
+    python benchmarks/entropy_control.py --quick          # smoke test: tiny model, 2 steps, 1 seed (not meaningful)
+    python benchmarks/entropy_control.py --from-json benchmarks/results/entropy_control.json   # report only
+
+The setting is part B of ``benchmarks/reproduce_entropy.py``, where our entropy measurements were made: the
+bundled SmolLM2-135M-Instruct, policy softmax(logits / 0.7) for sampling and training, fp32 master weights with
+bf16 matmuls, additions a + b (2..12) graded leniently (+1/-1), 4 prompts x 8 samples per step (<= 40 new tokens),
+dynamic sampling, 4 mini-batches of AdamW at lr 1e-5. Runs, each from the same start, at each seed:
+
+- GRPO (PPO clip 0.2/0.2, dual clip 10), CE-GPPO(0.75, 1), Clip-Cov and KL-Cov (verl's defaults), GRPO with an
+  entropy bonus (``--bonus``, default 0.003: the paper's "exploding" value at 7B);
+- the autopilot (``algorithm.entropy_control``, CE-GPPO starting at (0.75, 1), its default gains) at two targets:
+  hold the entropy of the first RL step, and 70% of it.
+
+Per run: the tracking error, mean |H - target| / target over the second half of training (steps > steps/2), for
+both targets (a fixed run is scored against the target it was never told about, as the autopilot is against its
+own); final entropy; held-out accuracy (greedy, 32 problems) after training, with its standard error over seeds;
+wall time. The targets are fractions of each run's own first measured entropy, which is the same for every run of a
+seed (same weights, same first rollouts). Writes ``entropy_control.{json,md,png}`` to ``--out``; the report is
+generated here from the JSON, with the git commit and the command.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+RESULTS = ROOT / "benchmarks" / "results"
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from reproduce_entropy import addition_problems, mean_sem  # noqa: E402  (the same problems and splits)
+
+from cegppo.io import atomic_write_json, atomic_write_text, read_jsonl  # noqa: E402
+
+TARGETS = {"hold": 1.0, "70%": 0.7}  # target name -> fraction of the first measured entropy
+CLIP = {"eps_low": 0.2, "eps_high": 0.2, "clip_ratio_c": 10.0}
+
+
+def configurations(args) -> list[dict]:
+    """(label, objective, hparams, extra overrides, target name or None) of every run at one seed."""
+    ce = {**CLIP, "beta1": 0.75, "beta2": 1.0}
+
+    def autopilot(frac: float) -> list[str]:
+        out = ["algorithm.entropy_control.enabled=true", f"algorithm.entropy_control.target={frac}"]
+        return out + (["algorithm.entropy_control.move_beta2=true"] if args.move_beta2 else [])
+
+    return [
+        dict(label="GRPO", objective="ppo_clip", hparams=CLIP, extra=[], target=None),
+        dict(label="CE-GPPO(0.75,1)", objective="ce_gppo", hparams=ce, extra=[], target=None),
+        dict(label="Clip-Cov", objective="clip_cov", hparams={}, extra=[], target=None),
+        dict(label="KL-Cov", objective="kl_cov", hparams={}, extra=[], target=None),
+        dict(label=f"GRPO + entropy bonus {args.bonus:g}", objective="ppo_clip", hparams=CLIP,
+             extra=[f"algorithm.entropy_coeff={args.bonus}"], target=None),
+        dict(label="Autopilot (hold)", objective="ce_gppo", hparams=ce, extra=autopilot(TARGETS["hold"]), target="hold"),
+        dict(label="Autopilot (70%)", objective="ce_gppo", hparams=ce, extra=autopilot(TARGETS["70%"]), target="70%"),
+    ]
+
+
+def sizes(args) -> dict:
+    if args.quick:  # the tiny char-level model: checks the pipeline, measures nothing
+        return dict(model="tiny", precision="fp32", rollout_dtype="float32", steps=2, seeds=[0], prompts=2, n=4,
+                    max_new_tokens=16, max_prompt_tokens=160, eval_n=4, dynamic_sampling=False)
+    return dict(model=args.model, precision="bf16-autocast", rollout_dtype="bfloat16", steps=args.steps,
+                seeds=args.seeds, prompts=4, n=8, max_new_tokens=40, max_prompt_tokens=96, eval_n=32,
+                dynamic_sampling=True)
+
+
+def run_one(conf: dict, seed: int, sz: dict, args, data_dir: Path, runs_dir: Path, base_acc: dict) -> dict:
+    from cegppo.config import load_config
+    from cegppo.engine.trainer import Trainer
+
+    run_dir = runs_dir / f"{conf['label'].replace(' ', '_').replace('%', 'pct')}-seed{seed}"
+    overrides = [
+        f"output_dir={run_dir}", f"model.name={sz['model']}", f"model.precision={sz['precision']}",
+        f"model.rollout_dtype={sz['rollout_dtype']}",
+        f"data.train_path={data_dir / 'train.jsonl'}", f"data.test_path={data_dir / 'test.jsonl'}", "data.task=null",
+        f"data.num_test={sz['eval_n']}", f"rollout.n={sz['n']}", f"rollout.temperature={args.temperature}",
+        f"rollout.max_new_tokens={sz['max_new_tokens']}", f"rollout.max_prompt_tokens={sz['max_prompt_tokens']}",
+        "reward.fn=math-lenient", f"algorithm.objective={conf['objective']}",
+        "algorithm.hparams=" + json.dumps(conf["hparams"]),
+        f"algorithm.dynamic_sampling={str(sz['dynamic_sampling']).lower()}", f"optim.lr={args.lr}",
+        "optim.warmup_steps=0", "optim.weight_decay=0.0", f"train.steps={sz['steps']}",
+        f"train.prompts_per_step={sz['prompts']}", "train.mini_batches=4", "train.micro_batch_size=16",
+        "train.save_every=0", f"train.seed={seed}", f"eval.num_problems={sz['eval_n']}", "eval.every=0",
+        f"eval.max_new_tokens={sz['max_new_tokens']}", "logging.progress=false", *conf["extra"],
+    ]
+    t0 = time.perf_counter()
+    tr = Trainer(load_config(None, overrides))
+    if seed not in base_acc:  # the same weights for every run of a seed: evaluate the start once
+        base_acc[seed] = tr.log_eval("base", tr.evaluate())["accuracy"]
+    tr.train()
+    final = tr.log_eval("final", tr.evaluate())["accuracy"]
+    rows = read_jsonl(run_dir / "metrics.jsonl")
+    wall = time.perf_counter() - t0
+
+    def col(key: str) -> list:
+        return [r.get(key) for r in rows]
+
+    rec = dict(label=conf["label"], objective=conf["objective"], hparams=conf["hparams"], extra=conf["extra"],
+               target=conf["target"], seed=seed, steps=col("step"), entropy=col("entropy"),
+               reward=col("reward/mean"), beta1=col("control/beta1"), beta2=col("control/beta2"),
+               control_target=col("control/target"), initial_test_accuracy=base_acc[seed],
+               final_test_accuracy=final, wall_s=wall, run_dir=str(run_dir))
+    rec["tracking"] = {name: tracking_error(rec, frac) for name, frac in TARGETS.items()}
+    rec["final_entropy"] = next((h for h in reversed(rec["entropy"]) if h is not None), float("nan"))
+    print(f"{conf['label']:<28} seed {seed}: H {first(rec['entropy']):.4f} -> {rec['final_entropy']:.4f}, "
+          f"|H-T|/T hold {rec['tracking']['hold']:.3f} 70% {rec['tracking']['70%']:.3f}, "
+          f"acc {base_acc[seed]:.3f} -> {final:.3f}, {wall:.0f} s", flush=True)
+    del tr
+    return rec
+
+
+def first(values: list) -> float:
+    return next((v for v in values if v is not None), float("nan"))
+
+
+def tracking_error(rec: dict, frac: float) -> float:
+    """Mean |H - T| / T over the steps of the second half that measured an entropy, T = frac x first entropy."""
+    target = frac * first(rec["entropy"])
+    n = max(rec["steps"]) if rec["steps"] else 0
+    devs = [abs(h - target) / target for s, h in zip(rec["steps"], rec["entropy"]) if h is not None and s > n / 2]
+    return sum(devs) / len(devs) if devs else float("nan")
+
+
+# ---------------------------------------------------------------------------------------------------------
+# summary, verdicts, plot, report
+# ---------------------------------------------------------------------------------------------------------
+
+
+def summarize(runs: list[dict]) -> list[dict]:
+    out = []
+    for label in dict.fromkeys(r["label"] for r in runs):
+        rs = [r for r in runs if r["label"] == label]
+        row = dict(label=label, target=rs[0]["target"], seeds=[r["seed"] for r in rs])
+        for name in TARGETS:
+            row[f"tracking_{name}"], row[f"tracking_{name}_se"] = mean_sem([r["tracking"][name] for r in rs])
+        row["final_entropy"], row["final_entropy_se"] = mean_sem([r["final_entropy"] for r in rs])
+        row["accuracy"], row["accuracy_se"] = mean_sem([r["final_test_accuracy"] for r in rs])
+        row["wall_s"] = sum(r["wall_s"] for r in rs)
+        out.append(row)
+    return out
+
+
+def verdicts(summary: list[dict]) -> list[str]:
+    fixed = [s for s in summary if s["target"] is None]
+    grpo = next((s for s in summary if s["label"] == "GRPO"), None)
+    lines = []
+    for name in TARGETS:
+        auto = next((s for s in summary if s["target"] == name), None)
+        if auto is None or not fixed:
+            continue
+        best = min(fixed, key=lambda s: s[f"tracking_{name}"])
+        a, b = auto[f"tracking_{name}"], best[f"tracking_{name}"]
+        ratio = a / b if b > 0 else float("inf")
+        lines.append(f"Target {name}: autopilot tracking error {fmt(a, auto[f'tracking_{name}_se'])} vs the best "
+                     f"fixed setting ({best['label']}) {fmt(b, best[f'tracking_{name}_se'])}: ratio {ratio:.2f} "
+                     f"-> goal (<= 1/3) {'MET' if ratio <= 1 / 3 else 'NOT MET'}.")
+        if grpo is not None:
+            d = auto["accuracy"] - grpo["accuracy"]
+            se = math.sqrt(sum(x ** 2 for x in (auto["accuracy_se"], grpo["accuracy_se"]) if not math.isnan(x)))
+            ok = d >= -se if se > 0 else d >= 0
+            lines.append(f"Target {name}: held-out accuracy autopilot {fmt(auto['accuracy'], auto['accuracy_se'])} "
+                         f"vs GRPO {fmt(grpo['accuracy'], grpo['accuracy_se'])} (difference {d:+.3f}, combined SE "
+                         f"{se:.3f}) -> not below GRPO beyond one SE: {'MET' if ok else 'NOT MET'}.")
+    return lines
+
+
+def plot(runs: list[dict], out: Path) -> str:
+    """Entropy against step, one column per target (its band in grey; fixed runs thin, the autopilot thick), and
+    below it the autopilot's betas."""
+    from cegppo.reporting.plots import pyplot, save_png
+
+    plt = pyplot()
+    labels = list(dict.fromkeys(r["label"] for r in runs))
+    colors = {lab: plt.get_cmap("tab10")(i) for i, lab in enumerate(labels)}
+    seeds = r_seeds(runs)
+    styles = {seed: ls for seed, ls in zip(seeds, ["-", "--", ":", "-."] * len(seeds))}
+    fig, axes = plt.subplots(2, len(TARGETS), figsize=(15, 7.5), sharex=True, height_ratios=[3, 1.3], squeeze=False)
+    band = 0.05  # the controller's default band, drawn around each target
+    last = max(max(r["steps"]) for r in runs)
+    for col, (name, frac) in enumerate(TARGETS.items()):
+        ax, bx = axes[0][col], axes[1][col]
+        for r in runs:
+            if r["target"] not in (None, name):
+                continue
+            pts = [(s, h) for s, h in zip(r["steps"], r["entropy"]) if h is not None]
+            ax.plot([p[0] for p in pts], [p[1] for p in pts], color=colors[r["label"]], ls=styles[r["seed"]],
+                    lw=2.4 if r["target"] else 1.0, label=f"{r['label']} (seed {r['seed']})")
+            if r["target"] == name:
+                for key, marker in (("beta1", "o"), ("beta2", "s")):
+                    pts = [(s, b) for s, b in zip(r["steps"], r[key]) if b is not None]
+                    bx.plot([p[0] for p in pts], [p[1] for p in pts], color=colors[r["label"]], ls=styles[r["seed"]],
+                            marker=marker, ms=3, label=f"{key} (seed {r['seed']})")
+        for seed in seeds:
+            t = frac * first(next(r for r in runs if r["seed"] == seed)["entropy"])
+            ax.axhspan(t * (1 - band), t * (1 + band), color="grey", alpha=0.15)
+            ax.axhline(t, color="grey", lw=0.8, ls=":")
+        for a in (ax, bx):
+            a.axvline(last / 2, color="black", lw=0.6, ls=":")  # tracking error: the steps right of this line
+            a.grid(alpha=0.3)
+        ax.set(title=f"target: {name} of the first step's entropy (grey: target +- {band:.0%})",
+               ylabel="entropy (nats/token)")
+        bx.set(xlabel="RL step", ylabel="autopilot β")
+        bx.legend(fontsize=7, loc="best")
+    handles = {}
+    for ax in axes[0]:
+        for h, lab in zip(*ax.get_legend_handles_labels()):
+            handles.setdefault(lab, h)
+    axes[0][-1].legend(handles.values(), handles.keys(), fontsize=7, loc="center left", bbox_to_anchor=(1.01, 0.5))
+    fig.tight_layout()
+    save_png(fig, out / "entropy_control.png")
+    plt.close(fig)
+    return "entropy_control.png"
+
+
+def r_seeds(runs: list[dict]) -> list[int]:
+    return sorted({r["seed"] for r in runs})
+
+
+def fmt(m: float, se: float, d: int = 3) -> str:
+    return f"{m:.{d}f}" if math.isnan(se) else f"{m:.{d}f} +- {se:.{d}f}"
+
+
+def report(result: dict, figure: str) -> str:
+    s, runs, summary = result["settings"], result["runs"], result["summary"]
+    lines = [
+        "# Entropy autopilot vs. entropy controls, measured at CPU scale", "",
+        f"Generated by `{result['command']}` at git commit `{result['commit']}` in {result['wall_s'] / 60:.1f} min "
+        f"(torch {result['torch']}). Do not edit by hand; `--from-json` regenerates it.", "",
+        f"Setting: {s['model']}, sampling and training temperature {s['temperature']}, {s['prompts']} prompts x {s['n']} "
+        f"samples per step (<= {s['max_new_tokens']} new tokens), dynamic sampling {'on' if s['dynamic_sampling'] else 'off'}, "
+        f"4 mini-batches of AdamW at lr {s['lr']:g}, {s['steps']} RL steps, seeds {s['seeds']}. Targets: hold = 1.0 x, "
+        "70% = 0.7 x the first step's entropy. Tracking error: mean |H - T| / T over steps > steps/2. Held-out "
+        f"accuracy: greedy, {s['eval_n']} problems, after training. +- is the standard error over seeds.", "",
+        "## Per configuration", "",
+        "| run | tracking error, hold | tracking error, 70% | final entropy | held-out accuracy | wall (all seeds) |",
+        "|---|---|---|---|---|---|",
+    ]
+    for r in summary:
+        mark = {name: ("**" if r["target"] == name else "") for name in TARGETS}
+        lines.append(f"| {r['label']} | {mark['hold']}{fmt(r['tracking_hold'], r['tracking_hold_se'])}{mark['hold']} | "
+                     f"{mark['70%']}{fmt(r['tracking_70%'], r['tracking_70%_se'])}{mark['70%']} | "
+                     f"{fmt(r['final_entropy'], r['final_entropy_se'], 4)} | {fmt(r['accuracy'], r['accuracy_se'])} | "
+                     f"{r['wall_s']:.0f} s |")
+    lines += ["", "Bold: the autopilot scored against its own target; every other cell scores a run against a target "
+              "it was not steering to.", "", "## Per run", "",
+              "| run | seed | entropy first -> final | tracking hold | tracking 70% | beta1 first -> last | "
+              "held-out acc start -> end | wall |", "|---|---|---|---|---|---|---|---|"]
+    for r in runs:
+        b1 = [b for b in r["beta1"] if b is not None]
+        beta = f"{b1[0]:.3f} -> {b1[-1]:.3f}" if b1 else "-"
+        lines.append(f"| {r['label']} | {r['seed']} | {first(r['entropy']):.4f} -> {r['final_entropy']:.4f} | "
+                     f"{r['tracking']['hold']:.3f} | {r['tracking']['70%']:.3f} | {beta} | "
+                     f"{r['initial_test_accuracy']:.3f} -> {r['final_test_accuracy']:.3f} | {r['wall_s']:.0f} s |")
+    lines += ["", "## Verdicts", ""] + [f"- {v}" for v in result["verdicts"]]
+    lines += ["", f"![{figure}]({figure})", ""]
+    return "\n".join(lines)
+
+
+def git_commit() -> str:
+    try:
+        sha = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True, check=True).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=ROOT, capture_output=True,
+                               text=True).stdout.strip()
+        return sha + ("-dirty" if dirty else "")
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+
+
+def write(result: dict, out: Path) -> None:
+    figure = plot(result["runs"], out)
+    atomic_write_json(out / "entropy_control.json", result)
+    atomic_write_text(out / "entropy_control.md", report(result, figure))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default="smollm2-135m-instruct")
+    ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1])
+    ap.add_argument("--steps", type=int, default=12)
+    ap.add_argument("--temperature", type=float, default=0.7)
+    ap.add_argument("--lr", type=float, default=1e-5)
+    ap.add_argument("--bonus", type=float, default=0.003, help="entropy-bonus coefficient of the bonus run")
+    ap.add_argument("--move-beta2", action="store_true", help="let the autopilot move beta2 too (sign not established)")
+    ap.add_argument("--only", nargs="+", help="run only these labels (e.g. to resume a partial benchmark by hand)")
+    ap.add_argument("--out", type=Path, help=f"results directory (default {RESULTS}; --quick: runs/entropy_control_quick)")
+    ap.add_argument("--runs-dir", type=Path, help="where the training runs go (default runs/entropy_control[_quick])")
+    ap.add_argument("--quick", action="store_true", help="tiny model, 2 steps, 1 seed: a smoke test, not a result")
+    ap.add_argument("--from-json", type=Path, help="regenerate the report and plot from a saved result")
+    args = ap.parse_args()
+    if args.from_json:
+        result = json.loads(args.from_json.read_text())
+        result["summary"] = summarize(result["runs"])
+        result["verdicts"] = verdicts(result["summary"])
+        return write(result, args.out or args.from_json.parent)
+    import torch
+
+    suffix = "_quick" if args.quick else ""
+    out = args.out or (ROOT / "runs" / "entropy_control_quick" if args.quick else RESULTS)
+    runs_dir = args.runs_dir or ROOT / "runs" / f"entropy_control{suffix}"
+    out.mkdir(parents=True, exist_ok=True)
+    sz = sizes(args)
+    data_dir = runs_dir / "data"
+    data_dir.mkdir(parents=True, exist_ok=True)
+    train, heldout = addition_problems(2, 12, 0)  # the split of reproduce_entropy.py (seed 0)
+    for name, probs in (("train", train), ("test", heldout)):
+        atomic_write_text(data_dir / f"{name}.jsonl", "".join(
+            json.dumps({"id": p.id, "question": p.messages[0]["content"], "answer": p.answer}) + "\n" for p in probs))
+    t0 = time.perf_counter()
+    confs = [c for c in configurations(args) if not args.only or c["label"] in args.only]
+    runs, base_acc = [], {}
+    for seed in sz["seeds"]:
+        for conf in confs:
+            runs.append(run_one(conf, seed, sz, args, data_dir, runs_dir, base_acc))
+    summary = summarize(runs)
+    result = dict(command="python benchmarks/entropy_control.py " + " ".join(sys.argv[1:]), commit=git_commit(),
+                  torch=torch.__version__, wall_s=time.perf_counter() - t0,
+                  settings={**sz, "temperature": args.temperature, "lr": args.lr, "bonus": args.bonus,
+                            "move_beta2": args.move_beta2, "quick": args.quick},
+                  runs=runs, summary=summary, verdicts=verdicts(summary))
+    write(result, out)
+    print("\n".join(result["verdicts"]))
+    print(f"wrote {out / 'entropy_control.json'}, {out / 'entropy_control.md'}, {out / 'entropy_control.png'} "
+          f"in {result['wall_s'] / 60:.1f} min")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,181 @@
+"""Entropy autopilot: hold a target entropy by steering CE-GPPO's beta1 (and optionally beta2) during training.
+
+Once per RL step, from the token-mean entropy of the step's rollouts (measured before the updates)::
+
+    controller = EntropyController(EntropyControlConfig(enabled=True, target=0.7), beta1=0.75, beta2=1.0)
+    out = controller.update(entropy)   # {"beta1", "beta2", "control/beta1", "control/beta2", "control/target", ...}
+    objective = get_objective("ce_gppo", **{**hparams, "beta1": out["beta1"], "beta2": out["beta2"]})
+
+The rule (:meth:`EntropyController.update`) is a proportional-integral controller on the relative error of the
+smoothed entropy, ``e = (H_ema - target) / target`` (positive: too much entropy)::
+
+    s      = kp * e + ki * I                      # the control signal, in beta units ("lower the entropy by")
+    beta1  = clip(beta1_0 + s, beta1_min, beta1_max)
+    beta2  = clip(beta2_0 - (beta1_0 + s - beta1), beta2_min, beta2_max)   # only with move_beta2; else beta2_0
+
+What it rests on (``benchmarks/results/entropy_dynamics.md``): **raising beta1 lowers entropy**, beyond 2 SE in
+every contrast we measured, so entropy above the target raises beta1. beta2 moves only when enabled, and only with
+the part of ``s`` that beta1 could not take (beta1 at a bound). Its sign is the paper's claim (a larger beta2
+keeps more gradient on positive-advantage tokens past the clip, which raises entropy, so entropy above the target
+*lowers* beta2); our measurements did **not** establish it (0 of 3 contrasts beyond 2 SE), hence off by default.
+
+Choices, all in :meth:`EntropyController.update`:
+
+- Smoothing: an exponential moving average of the measured entropy (``ema`` is the new value's weight; 1 = none).
+- Inside the band (``|e| <= band``) the integral is frozen: the proportional term still acts (the output stays
+  continuous at the band's edges), but noise around the target does not accumulate into a drift.
+- Anti-windup: no integration while the output is saturated (every beta it may move is at a bound) and the error
+  pushes further; and the integral term alone never exceeds the output's range, so the output leaves a bound on
+  the first step the error changes sign.
+- Steps without a measurement (``None``/NaN: no rollout kept) leave everything unchanged.
+
+The module is pure Python (no torch): the trainer, the TRL adapter and the tests share it. Its state is a small
+JSON-able dict (:meth:`EntropyController.state_dict`), checkpointed with the trainer state, so a killed and
+resumed run continues exactly.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass
+from typing import Any
+
+__all__ = ["CONTROLLED_OBJECTIVES", "EntropyControlConfig", "EntropyController", "build_controller",
+           "validate_entropy_control"]
+
+CONTROLLED_OBJECTIVES = ("ce_gppo", "gppo")  # the objectives with beta1 / beta2
+
+
+@dataclass
+class EntropyControlConfig:
+    """``algorithm.entropy_control`` in the run config (off by default)."""
+
+    enabled: bool = False
+    target: float = 1.0  # relative: a fraction of the entropy measured at the first RL step; absolute: nats/token
+    target_mode: str = "relative"  # relative | absolute
+    band: float = 0.05  # |H - target| <= band * target counts as on target (no integration there)
+    kp: float = 3.0  # beta per unit relative error
+    ki: float = 1.0  # beta per unit relative error per step
+    ema: float = 0.5  # smoothing: weight of the newest entropy measurement (1 = no smoothing)
+    beta1_min: float = 0.0
+    beta1_max: float = 2.0
+    move_beta2: bool = False  # also move beta2 once beta1 is at a bound (its effect is not established)
+    beta2_min: float = 0.5
+    beta2_max: float = 1.5
+
+
+def validate_entropy_control(cfg: EntropyControlConfig, objective: str, hparams: dict[str, Any],
+                             where: str = "algorithm.entropy_control") -> None:
+    """Range checks, and that the objective has betas the controller can move (raises ``ConfigError``)."""
+    from cegppo.config import ConfigError
+
+    if not cfg.enabled:
+        return
+
+    def need(ok: bool, key: str, what: str, value: Any) -> None:
+        if not ok:
+            raise ConfigError(f"{where}.{key} must be {what}, got {value!r}")
+
+    def finite(v: Any) -> bool:
+        return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+
+    if objective not in CONTROLLED_OBJECTIVES:
+        raise ConfigError(f"{where}: the entropy controller steers beta1/beta2, which only {CONTROLLED_OBJECTIVES} "
+                          f"have; algorithm.objective is {objective!r}")
+    need(cfg.target_mode in ("relative", "absolute"), "target_mode", "'relative' or 'absolute'", cfg.target_mode)
+    need(finite(cfg.target) and cfg.target > 0, "target", "a number > 0", cfg.target)
+    need(finite(cfg.band) and 0 <= cfg.band < 1, "band", "in [0, 1)", cfg.band)
+    for key in ("kp", "ki"):
+        need(finite(getattr(cfg, key)) and getattr(cfg, key) >= 0, key, "a finite number >= 0", getattr(cfg, key))
+    need(finite(cfg.ema) and 0 < cfg.ema <= 1, "ema", "in (0, 1]", cfg.ema)
+    from cegppo.algorithm.objectives import OBJECTIVES, get_objective
+
+    hp = {**OBJECTIVES[objective].defaults, **hparams}
+    for b in ("beta1", "beta2"):
+        lo, hi = getattr(cfg, f"{b}_min"), getattr(cfg, f"{b}_max")
+        need(finite(lo) and finite(hi) and 0 <= lo <= hi, f"{b}_min / {b}_max", "finite with 0 <= min <= max", (lo, hi))
+        if b == "beta1" or cfg.move_beta2:
+            need(lo <= hp[b] <= hi, f"{b}_min / {b}_max", f"around the starting {b}={hp[b]}", (lo, hi))
+    try:  # the largest betas must still be valid hyperparameters (beta1 (1 - eps_low) < clip_ratio_c)
+        get_objective(objective, **{**hp, "beta1": cfg.beta1_max, "beta2": cfg.beta2_max})
+    except ValueError as e:
+        raise ConfigError(f"{where}.beta1_max / beta2_max: {e}") from None
+
+
+class EntropyController:
+    """The PI rule of the module docstring. ``beta1`` / ``beta2`` are the starting (configured) values."""
+
+    def __init__(self, cfg: EntropyControlConfig, beta1: float, beta2: float):
+        self.cfg = cfg
+        self.beta1_0, self.beta2_0 = float(beta1), float(beta2)
+        self.integral = 0.0  # sum of relative errors outside the band (with anti-windup)
+        self.smoothed: float | None = None  # EMA of the measured entropy
+        self.target: float | None = cfg.target if cfg.target_mode == "absolute" else None
+        self.error = 0.0
+        self.beta1, self.beta2 = self.beta1_0, self.beta2_0
+        self.updates = 0
+
+    # the range of the control signal s: how far beta1 (then beta2) can move from where they started
+    def _signal_range(self) -> tuple[float, float]:
+        c = self.cfg
+        up, down = c.beta1_max - self.beta1_0, c.beta1_min - self.beta1_0
+        if c.move_beta2:
+            up, down = up + (self.beta2_0 - c.beta2_min), down - (c.beta2_max - self.beta2_0)
+        return down, up
+
+    def update(self, entropy: float | None) -> dict[str, float]:
+        """One step: new betas from this step's measured token-mean entropy (``None``/NaN: no change)."""
+        c = self.cfg
+        if entropy is not None and math.isfinite(entropy):
+            h = float(entropy)
+            self.smoothed = h if self.smoothed is None else (1 - c.ema) * self.smoothed + c.ema * h
+            if self.target is None:  # relative target: a fraction of the first measured entropy
+                self.target = c.target * h
+            e = (self.smoothed - self.target) / self.target  # > 0: too much entropy -> raise beta1
+            lo, hi = self._signal_range()
+            s = c.kp * e + c.ki * self.integral
+            pushing_out = (s >= hi and e > 0) or (s <= lo and e < 0)  # saturated, and the error pushes further
+            if c.ki > 0 and abs(e) > c.band and not pushing_out:  # integrate outside the band only
+                self.integral = min(max(self.integral + e, lo / c.ki), hi / c.ki)  # ki * I stays in [lo, hi]
+            s = min(max(c.kp * e + c.ki * self.integral, lo), hi)
+            self.beta1 = min(max(self.beta1_0 + s, c.beta1_min), c.beta1_max)
+            if c.move_beta2:  # only what beta1 could not take, with the assumed (unestablished) opposite sign
+                self.beta2 = min(max(self.beta2_0 - (self.beta1_0 + s - self.beta1), c.beta2_min), c.beta2_max)
+            self.error = e
+            self.updates += 1
+        return {"beta1": self.beta1, "beta2": self.beta2, **self.metrics()}
+
+    def metrics(self) -> dict[str, float]:
+        """The ``control/*`` metrics of the current state (target and smoothed entropy once measured)."""
+        out = {"control/beta1": self.beta1, "control/beta2": self.beta2, "control/error": self.error,
+               "control/integral": self.integral}
+        if self.target is not None:
+            out["control/target"] = self.target
+        if self.smoothed is not None:
+            out["control/entropy_smoothed"] = self.smoothed
+        return out
+
+    def state_dict(self) -> dict[str, Any]:
+        """JSON-able state (floats round-trip exactly through ``json``)."""
+        return {"config": asdict(self.cfg), "beta1_0": self.beta1_0, "beta2_0": self.beta2_0,
+                "integral": self.integral, "smoothed": self.smoothed, "target": self.target, "error": self.error,
+                "beta1": self.beta1, "beta2": self.beta2, "updates": self.updates}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore the dynamic state; the configuration stays this controller's (a resumed run's config wins)."""
+        for key in ("beta1_0", "beta2_0", "integral", "smoothed", "target", "error", "beta1", "beta2", "updates"):
+            setattr(self, key, state[key])
+        if self.cfg.target_mode == "absolute":
+            self.target = self.cfg.target
+
+
+def build_controller(cfg: EntropyControlConfig | dict | None, hparams: dict[str, Any]) -> EntropyController | None:
+    """The controller ``cfg`` asks for (``None`` when absent or off), starting at the betas of the objective's
+    bound hyperparameters ``hparams`` (a ``ce_gppo`` / ``gppo`` objective)."""
+    if isinstance(cfg, dict):
+        cfg = EntropyControlConfig(**cfg)
+    if cfg is None or not cfg.enabled:
+        return None
+    if "beta1" not in hparams or "beta2" not in hparams:
+        raise ValueError(f"entropy_control needs an objective with beta1/beta2 ({', '.join(CONTROLLED_OBJECTIVES)})")
+    return EntropyController(cfg, hparams["beta1"], hparams["beta2"])
