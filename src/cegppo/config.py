@@ -47,6 +47,7 @@ class ModelConfig:
     precision: str = "bf16-autocast"  # fp32 | bf16-autocast (fp32 master weights, bf16 matmuls)
     rollout_dtype: str = "bfloat16"  # dtype of the generation copy of the policy: bfloat16 | float32
     gradient_checkpointing: bool = False
+    fused_lm_head: bool = False  # LM head applied in row chunks inside the log-prob/entropy: no [B, T, V] logits held
 
 
 @dataclass

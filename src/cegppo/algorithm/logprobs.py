@@ -5,6 +5,11 @@ The LM head's logits ``[N, V]`` (V = 49k for SmolLM2, 152k for Qwen) are the mem
 normalised, reduced to three numbers per row and dropped; the backward pass recomputes the chunk's softmax
 from the saved per-row log-normaliser. Entropy is taken on the same temperature-scaled distribution that
 was sampled from.
+
+:func:`linear_token_stats` goes one step further and never holds the logits at all: it takes the hidden states
+and the output layer's weight, projects one chunk of rows at a time, and recomputes each chunk's logits in the
+backward pass (the idea behind Liger's fused linear cross-entropy). :func:`sequence_token_stats` uses it with
+``fused_head=True``.
 """
 
 from __future__ import annotations
@@ -12,9 +17,21 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 
 DEFAULT_CHUNK_ROWS = 1024
+# linear_token_stats' default chunk: as many rows as keep one float32 chunk of logits under this many elements
+# (2^25 floats = 128 MiB; 512 rows at vocabulary 49,152, 128 rows at 151,936).
+FUSED_CHUNK_ELEMENTS = 1 << 25
+# In a low-precision matmul, the weight gradient of a chunk is formed this many elements of [V, D] at a time
+# before being added into the float32 sum, so no whole [V, D] temporary is made.
+_GRAD_W_BLOCK_ELEMENTS = 1 << 21
+# Causal-LM classes whose logits are exactly ``lm_head(last_hidden_state)`` (no soft-capping or logit scaling),
+# so the fused head reproduces them; others are refused rather than silently computed differently.
+FUSED_HEAD_MODEL_TYPES = frozenset(
+    {"llama", "mistral", "qwen2", "qwen3", "qwen2_moe", "qwen3_moe", "phi3", "olmo2", "gemma"}
+)
 
 
 class _TokenStats(torch.autograd.Function):
@@ -80,6 +97,147 @@ def token_stats(
     return lp.view(shape), ent.view(shape), (col.view(shape) if collision else None)
 
 
+def _bdot(a: Tensor, b: Tensor) -> Tensor:
+    """Row-wise dot product of two ``[n, V]`` tensors without an ``[n, V]`` temporary."""
+    return torch.bmm(a.unsqueeze(1), b.unsqueeze(2)).view(-1)
+
+
+class _LinearTokenStats(torch.autograd.Function):
+    """:class:`_TokenStats` of ``logits = hidden @ weight.T (+ bias)``, projected a chunk of rows at a time.
+
+    Saves only ``hidden``, ``weight`` (, ``bias``), ``tokens`` and two floats per row; the backward pass
+    recomputes each chunk's logits. Matmuls run in ``compute_dtype`` (the autocast dtype, as ``nn.Linear``
+    would under autocast), the softmax in float32 (float64 when ``compute_dtype`` is float64).
+    """
+
+    @staticmethod
+    def forward(ctx: Any, hidden: Tensor, weight: Tensor, bias: Tensor | None, tokens: Tensor, temperature: float,
+                chunk: int, want_collision: bool, compute_dtype: torch.dtype):
+        ctx.set_materialize_grads(False)  # an output that is not in the graph (often the entropy) costs nothing
+        n = hidden.shape[0]
+        sd = torch.promote_types(compute_dtype, torch.float32)  # softmax dtype
+        log_prob = hidden.new_empty(n, dtype=sd)
+        entropy = hidden.new_empty(n, dtype=sd)
+        lse = hidden.new_empty(n, dtype=sd)
+        collision = hidden.new_empty(n if want_collision else 0, dtype=sd)
+        with torch.autocast(hidden.device.type, enabled=False):
+            w = weight.to(compute_dtype)
+            b = None if bias is None else bias.to(compute_dtype)
+            for s in range(0, n, chunk):
+                sl = slice(s, s + chunk)
+                z = F.linear(hidden[sl].to(compute_dtype), w, b).to(sd)
+                if temperature != 1.0:
+                    z = z / temperature
+                l = torch.logsumexp(z, -1)
+                logp = z.sub_(l.unsqueeze(-1))
+                p = logp.exp()
+                h = -(p * logp).sum(-1)  # token_stats' reduction: the same entropy, bit for bit, from the same logits
+                lse[sl] = l
+                entropy[sl] = h
+                log_prob[sl] = logp.gather(-1, tokens[sl].unsqueeze(-1)).squeeze(-1)
+                if want_collision:  # C = sum_b p_b^2 (log p_b + H)
+                    collision[sl] = _bdot(p.square_(), logp.add_(h.unsqueeze(-1)))
+                del z, logp, p
+        ctx.save_for_backward(hidden, weight, bias, tokens, lse, entropy)
+        ctx.temperature, ctx.chunk, ctx.compute_dtype = temperature, chunk, compute_dtype
+        ctx.mark_non_differentiable(collision)
+        return log_prob, entropy, collision
+
+    @staticmethod
+    def backward(ctx: Any, g_logp: Tensor | None, g_ent: Tensor | None, _g_col: Tensor | None):
+        hidden, weight, bias, tokens, lse, entropy = ctx.saved_tensors
+        t, chunk, cd = ctx.temperature, ctx.chunk, ctx.compute_dtype
+        sd = lse.dtype
+        need_h, need_w, need_b = ctx.needs_input_grad[:3]
+        if g_logp is None and g_ent is None:
+            return (None,) * 8
+        grad_h = torch.empty_like(hidden) if need_h else None
+        # weight/bias gradients summed over chunks in float32 (or float64), whatever the matmul dtype
+        grad_w = torch.zeros(weight.shape, dtype=sd, device=weight.device) if need_w else None
+        grad_b = torch.zeros(bias.shape, dtype=sd, device=bias.device) if need_b else None
+        with torch.autocast(hidden.device.type, enabled=False):
+            w = weight.to(cd)
+            b = None if bias is None else bias.to(cd)
+            for s in range(0, hidden.shape[0], chunk):
+                sl = slice(s, s + chunk)
+                hc = hidden[sl].to(cd)
+                logp = F.linear(hc, w, b).to(sd)
+                if t != 1.0:
+                    logp = logp / t
+                logp.sub_(lse[sl].unsqueeze(-1))
+                p = logp.exp()
+                # dL/dz = g_logp (onehot(a) - p) - g_ent p (log p + H)
+                #       = p * (-g_ent (log p + H) - g_logp) + g_logp onehot(a)
+                if g_ent is not None:
+                    g = logp.add_(entropy[sl].unsqueeze(-1)).mul_(-g_ent[sl].unsqueeze(-1))
+                    if g_logp is not None:
+                        g.sub_(g_logp[sl].unsqueeze(-1))
+                    g.mul_(p)
+                else:
+                    g = p.mul_(-g_logp[sl].unsqueeze(-1))
+                if g_logp is not None:
+                    g.scatter_add_(-1, tokens[sl].unsqueeze(-1), g_logp[sl].unsqueeze(-1))
+                if t != 1.0:
+                    g.div_(t)
+                if grad_b is not None:
+                    grad_b += g.sum(0)
+                g = g.to(cd)  # the logits' gradient in the logits' dtype, as nn.Linear's backward would see it
+                if grad_h is not None:
+                    grad_h[sl] = g @ w
+                if grad_w is not None:
+                    if cd == sd:
+                        grad_w.addmm_(g.T, hc)
+                    else:  # a low-precision product, as nn.Linear's backward makes it, summed in float32
+                        vb = max(1, _GRAD_W_BLOCK_ELEMENTS // hc.shape[1])
+                        for v in range(0, grad_w.shape[0], vb):
+                            grad_w[v : v + vb] += g[:, v : v + vb].T @ hc
+                del logp, p, g
+        if grad_w is not None:
+            grad_w = grad_w.to(weight.dtype)
+        if grad_b is not None:
+            grad_b = grad_b.to(bias.dtype)
+        return grad_h, grad_w, grad_b, None, None, None, None, None
+
+
+def fused_chunk_rows(vocab: int) -> int:
+    """Default row chunk of :func:`linear_token_stats`: a power of two with ``rows x vocab <= FUSED_CHUNK_ELEMENTS``."""
+    rows = max(1, FUSED_CHUNK_ELEMENTS // max(vocab, 1))
+    return 1 << (rows.bit_length() - 1)
+
+
+def linear_token_stats(
+    hidden: Tensor,
+    weight: Tensor,
+    bias: Tensor | None,
+    tokens: Tensor,
+    temperature: float = 1.0,
+    chunk_rows: int | None = None,
+    collision: bool = False,
+) -> tuple[Tensor, Tensor, Tensor | None]:
+    """:func:`token_stats` of ``logits = hidden @ weight.T (+ bias)``, without ever holding those logits.
+
+    ``hidden`` is ``[..., D]`` matching ``tokens`` ``[...]``; ``weight`` ``[V, D]`` (an output layer's weight,
+    possibly tied to the input embeddings), ``bias`` ``[V]`` or None. Returns float32 (float64 for float64
+    inputs) log-prob, entropy (and, with ``collision=True``, the no-gradient collision term) of shape
+    ``tokens.shape``. Gradients flow to
+    ``hidden``, ``weight`` and ``bias``. Rows are projected ``chunk_rows`` at a time (default
+    :func:`fused_chunk_rows`) and re-projected in the backward pass. Under ``torch.autocast`` the matmuls run
+    in the autocast dtype, as the model's ``nn.Linear`` head would, and the softmax in float32.
+    """
+    shape = tokens.shape
+    flat = hidden.reshape(-1, hidden.shape[-1])
+    dev = flat.device.type
+    floats = (torch.float32, torch.float16, torch.bfloat16)
+    if torch.is_autocast_enabled(dev) and flat.dtype in floats and weight.dtype in floats:
+        compute_dtype = torch.get_autocast_dtype(dev)
+    else:
+        compute_dtype = torch.promote_types(flat.dtype, weight.dtype)
+    rows = int(chunk_rows) if chunk_rows else fused_chunk_rows(weight.shape[0])
+    lp, ent, col = _LinearTokenStats.apply(flat, weight, bias, tokens.reshape(-1), float(temperature), rows,
+                                           collision, compute_dtype)
+    return lp.view(shape), ent.view(shape), (col.view(shape) if collision else None)
+
+
 def response_logits(model: torch.nn.Module, input_ids: Tensor, attention_mask: Tensor, response_len: int) -> Tensor:
     """Logits predicting the last ``response_len`` tokens of ``input_ids`` (prompt left-padded, response right-padded)."""
     position_ids = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
@@ -93,6 +251,32 @@ def response_logits(model: torch.nn.Module, input_ids: Tensor, attention_mask: T
     return out.logits[:, :-1]
 
 
+def _output_layer(model: torch.nn.Module) -> torch.nn.Linear:
+    model_type = getattr(getattr(model, "config", None), "model_type", None)
+    if model_type not in FUSED_HEAD_MODEL_TYPES:
+        raise NotImplementedError(
+            f"fused LM head: model type {model_type!r} is not known to compute its logits as a plain "
+            f"lm_head(hidden) (supported: {', '.join(sorted(FUSED_HEAD_MODEL_TYPES))}); "
+            "set model.fused_lm_head=false")
+    head = model.get_output_embeddings()
+    if not isinstance(head, torch.nn.Linear):
+        raise NotImplementedError(f"fused LM head: output layer is {type(head).__name__}, not nn.Linear; "
+                                  "set model.fused_lm_head=false")
+    return head
+
+
+def response_hidden(model: torch.nn.Module, input_ids: Tensor, attention_mask: Tensor, response_len: int) -> Tensor:
+    """The decoder's last hidden states at the positions :func:`response_logits` projects: ``[B, response_len, D]``."""
+    position_ids = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
+    out = model.get_decoder()(
+        input_ids=input_ids,
+        attention_mask=attention_mask,
+        position_ids=position_ids,
+        use_cache=False,
+    )
+    return out.last_hidden_state[:, -response_len - 1 : -1]
+
+
 def sequence_token_stats(
     model: torch.nn.Module,
     input_ids: Tensor,
@@ -100,8 +284,22 @@ def sequence_token_stats(
     response_len: int,
     temperature: float = 1.0,
     collision: bool = False,
-    chunk_rows: int = DEFAULT_CHUNK_ROWS,
+    chunk_rows: int | None = None,
+    fused_head: bool = False,
 ) -> tuple[Tensor, Tensor, Tensor | None]:
-    """Per-token log-prob / entropy (/ collision) of the response part of ``input_ids``: ``[B, response_len]``."""
+    """Per-token log-prob / entropy (/ collision) of the response part of ``input_ids``: ``[B, response_len]``.
+
+    ``fused_head=False``: the model's logits of the response positions, then :func:`token_stats`
+    (``chunk_rows`` default :data:`DEFAULT_CHUNK_ROWS`). ``fused_head=True``: the decoder's hidden states, then
+    :func:`linear_token_stats` with the output layer's weight, so no ``[B, T, V]`` logits are ever held
+    (``chunk_rows`` default :func:`fused_chunk_rows`).
+    """
+    tokens = input_ids[:, -response_len:]
+    if fused_head:
+        head = _output_layer(model)
+        hidden = response_hidden(model, input_ids, attention_mask, response_len)
+        return linear_token_stats(hidden, head.weight, head.bias, tokens, temperature, chunk_rows, collision)
+    if chunk_rows is None:
+        chunk_rows = DEFAULT_CHUNK_ROWS
     logits = response_logits(model, input_ids, attention_mask, response_len)
-    return token_stats(logits, input_ids[:, -response_len:], temperature, chunk_rows, collision)
+    return token_stats(logits, tokens, temperature, chunk_rows, collision)

@@ -180,7 +180,7 @@ class Trainer:
         """Per-token log-prob, entropy (and collision term) of ``rows`` under ``model``, at the sampling temperature."""
         with autocast(self.cfg.model.precision, model):
             return sequence_token_stats(model, rb.input_ids[rows], rb.attention_mask[rows], rb.response_len,
-                                        self.cfg.rollout.temperature, collision)
+                                        self.cfg.rollout.temperature, collision, fused_head=self.cfg.model.fused_lm_head)
 
     @torch.no_grad()
     def old_log_probs(self, exp: Experience) -> float:
