@@ -5,8 +5,8 @@
     python benchmarks/entropy_control.py --from-json benchmarks/results/entropy_control.json   # report only
 
 The setting is part B of ``benchmarks/reproduce_entropy.py``, where our entropy measurements were made: the
-bundled SmolLM2-135M-Instruct, policy softmax(logits / 0.7) for sampling and training, fp32 master weights with
-bf16 matmuls, additions a + b (2..12) graded leniently (+1/-1), 4 prompts x 8 samples per step (<= 40 new tokens),
+bundled SmolLM2-135M-Instruct, policy softmax(logits / 0.7) for sampling and training, fp32 master weights
+(``model.precision=auto``: bf16 matmuls where the CPU has native bf16, fp32 matmuls elsewhere), additions a + b (2..12) graded leniently (+1/-1), 4 prompts x 8 samples per step (<= 40 new tokens),
 dynamic sampling, 4 mini-batches of AdamW at lr 1e-5. Runs, each from the same start, at each seed:
 
 - GRPO (PPO clip 0.2/0.2, dual clip 10), CE-GPPO(0.75, 1), Clip-Cov and KL-Cov (verl's defaults), GRPO with an
@@ -68,7 +68,7 @@ def sizes(args) -> dict:
     if args.quick:  # the tiny char-level model: checks the pipeline, measures nothing
         return dict(model="tiny", precision="fp32", rollout_dtype="float32", steps=2, seeds=[0], prompts=2, n=4,
                     max_new_tokens=16, max_prompt_tokens=160, eval_n=4, dynamic_sampling=False)
-    return dict(model=args.model, precision="bf16-autocast", rollout_dtype="bfloat16", steps=args.steps,
+    return dict(model=args.model, precision="auto", rollout_dtype="auto", steps=args.steps,
                 seeds=args.seeds, prompts=4, n=8, max_new_tokens=40, max_prompt_tokens=96, eval_n=32,
                 dynamic_sampling=True)
 

@@ -109,7 +109,7 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--num-problems", type=int, default=0, help="limit (0 = all)")
     e.add_argument("--difficulty", type=int, default=1)
     e.add_argument("--reward", default="math-strict")
-    e.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    e.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float32"])
     e.add_argument("--batch-prompts", type=int, default=16)
     e.add_argument("--seed", type=int, default=0)
     e.add_argument("--out", help="per-problem results JSONL")

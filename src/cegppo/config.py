@@ -44,8 +44,10 @@ MAX_INT = 2**63 - 1  # every integer setting (seeds, counts) fits a signed 64-bi
 @dataclass
 class ModelConfig:
     name: str = "smollm2-135m-instruct"  # preset (smollm2-135m-instruct, tiny), local directory or hub name
-    precision: str = "bf16-autocast"  # fp32 | bf16-autocast (fp32 master weights, bf16 matmuls)
-    rollout_dtype: str = "bfloat16"  # dtype of the generation copy of the policy: bfloat16 | float32
+    # auto | fp32 | bf16-autocast (fp32 master weights, bf16 matmuls). auto: bf16-autocast where bf16 is fast (a GPU,
+    # a CPU with AVX512-BF16/AMX), else fp32 (on AVX2-only CPUs bf16 is emulated and several times slower)
+    precision: str = "auto"
+    rollout_dtype: str = "auto"  # dtype of the generation copy of the policy: auto | bfloat16 | float32
     gradient_checkpointing: bool = False
     fused_lm_head: bool = False  # LM head applied in row chunks inside the log-prob/entropy: no [B, T, V] logits held
 
@@ -532,8 +534,9 @@ def validate(cfg: Config) -> None:
          m.name)
     if m.name.startswith("~"):
         m.name = os.path.expanduser(m.name)
-    need(m.precision in ("fp32", "bf16-autocast"), "model.precision", "fp32 or bf16-autocast", m.precision)
-    need(m.rollout_dtype in ("bfloat16", "float32"), "model.rollout_dtype", "bfloat16 or float32", m.rollout_dtype)
+    need(m.precision in ("auto", "fp32", "bf16-autocast"), "model.precision", "auto, fp32 or bf16-autocast", m.precision)
+    need(m.rollout_dtype in ("auto", "bfloat16", "float32"), "model.rollout_dtype", "auto, bfloat16 or float32",
+         m.rollout_dtype)
 
     d = cfg.data
     need(d.task is None or d.task in TASKS, "data.task", f"null or one of {sorted(TASKS)}", d.task)

@@ -15,7 +15,7 @@ from cegppo.config import Config, ConfigError, OptimConfig, RewardConfig, TrainC
 from cegppo.data.problems import DatasetError, Problem, load_problems
 from cegppo.data.rewards import RewardFn, load_reward
 from cegppo.data.tasks import make_task
-from cegppo.engine.models import ModelLoadError, load_model
+from cegppo.engine.models import ModelLoadError, load_model, resolve_dtype
 from cegppo.engine.rollout import HFRollout
 
 
@@ -111,5 +111,5 @@ def build_optimizer(o: OptimConfig, model: torch.nn.Module) -> tuple[torch.optim
 
 def build_rollout(cfg: Config, policy: torch.nn.Module, tokenizer: Any) -> HFRollout:
     """The generation engine: HF ``generate`` on a copy of the policy in ``model.rollout_dtype``."""
-    dtype = torch.bfloat16 if cfg.model.rollout_dtype == "bfloat16" else torch.float32
-    return HFRollout(policy, tokenizer, cfg.rollout.max_prompt_tokens, dtype)
+    dtype = resolve_dtype(cfg.model.rollout_dtype, next(policy.parameters()).device.type)
+    return HFRollout(policy, tokenizer, cfg.rollout.max_prompt_tokens, getattr(torch, dtype))

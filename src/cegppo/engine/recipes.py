@@ -18,6 +18,7 @@ from cegppo.data.evalsets import resolve_dataset
 from cegppo.data.problems import Problem, load_problems
 from cegppo.data.tasks import make_task
 from cegppo.engine.components import build_policy, build_reward, load_splits
+from cegppo.engine.models import resolve_dtype, resolve_precision
 from cegppo.engine.rollout import HFRollout, Sampling
 from cegppo.engine.sft import supervised_warmup
 from cegppo.engine.trainer import Trainer
@@ -66,7 +67,7 @@ def run_training(cfg: Config, resume: bool = False) -> dict:
         held_out("base", "of the base model")
         if cfg.sft.steps:
             supervised_warmup(trainer.model, trainer.tokenizer, trainer.train_problems, cfg.sft, seed=cfg.train.seed,
-                              precision=cfg.model.precision, progress=cfg.logging.progress)
+                              precision=trainer.precision, progress=cfg.logging.progress)
             trainer.engine.sync(trainer.model)
             held_out("warm-start", "after warm-start")
         trainer.state["warm_started"] = True
@@ -83,6 +84,7 @@ def run_training(cfg: Config, resume: bool = False) -> dict:
         "entropy_first": entropies[0] if entropies else None,
         "entropy_last": entropies[-1] if entropies else None,
         "steps_this_session": len(rows),
+        "precision": {"model.precision": trainer.precision, "model.rollout_dtype": str(trainer.engine.dtype)},
         "provenance": provenance(),
     }
     trainer.run.write_summary(summary)
@@ -96,7 +98,7 @@ def run_sft(cfg: Config, out: Path, steps: int) -> list[float]:
     check_data(replace(cfg, sft=replace(cfg.sft, steps=steps)), train)  # before the model loads
     model, tok = build_policy(cfg.model.name)
     losses = supervised_warmup(model, tok, train, cfg.sft, steps=steps, seed=cfg.train.seed,
-                               precision=cfg.model.precision, progress=cfg.logging.progress)
+                               precision=resolve_precision(cfg.model.precision), progress=cfg.logging.progress)
     out.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(out, safe_serialization=True)
     tok.save_pretrained(out)
@@ -114,7 +116,7 @@ class EvalRequest:
     num_problems: int = 0  # per dataset; 0 = all
     difficulty: int = 1
     reward: str = "math-strict"
-    dtype: str = "bfloat16"
+    dtype: str = "auto"  # auto: bfloat16 where bf16 is fast, else float32
     max_prompt_tokens: int = 1024
     batch_prompts: int = 16
     seed: int = 0
@@ -143,7 +145,7 @@ def run_eval(req: EvalRequest) -> EvalResult:
     model, tok = build_policy(req.model, key="--model")
     check_prompt_budget(tok, problems, req.max_prompt_tokens, key="--max-prompt-tokens")
     # generation only: the engine runs on the loaded model itself, cast in place
-    engine = HFRollout(model, tok, req.max_prompt_tokens, dtype=getattr(torch, req.dtype), copy=False)
+    engine = HFRollout(model, tok, req.max_prompt_tokens, dtype=getattr(torch, resolve_dtype(req.dtype)), copy=False)
     torch.manual_seed(req.seed)
     progress = Progress("cegppo eval", len(problems), unit="problem")
     try:

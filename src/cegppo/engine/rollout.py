@@ -2,7 +2,7 @@
 
 A backend implements :class:`RolloutEngine`: ``generate(prompts, n, sampling) -> RolloutBatch`` and
 ``sync(policy)`` (copy the trained weights in). :class:`HFRollout` uses Hugging Face ``generate`` with the
-KV cache on a separate copy of the policy (by default bf16 on CPU: about twice as fast as fp32 there),
+KV cache on a separate copy of the policy (bf16 where bf16 is fast: a GPU, a CPU with native bf16; else fp32),
 the way vLLM is a separate engine in verl; the log-probs that enter the objective are recomputed by the
 trained policy, so the engine's precision only changes which samples are drawn.
 """
@@ -126,6 +126,7 @@ class HFRollout:
         self.tokenizer = tokenizer
         self.max_prompt_tokens = max_prompt_tokens
         self.max_batch = max_batch
+        self.dtype = dtype
         self.model = (deepcopy(policy) if copy else policy).to(dtype).eval()
         self.eos = eos_ids(tokenizer, policy)
 

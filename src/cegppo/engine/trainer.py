@@ -23,7 +23,7 @@ from cegppo.config import Config, check_data, check_prompt_budget, eval_limit
 from cegppo.engine import checkpoint as ckpt
 from cegppo.engine.components import (DataOrder, build_optimizer, build_policy, build_reference, build_reward,
                                       build_rollout, configure_torch, load_splits, step_seed)
-from cegppo.engine.models import autocast
+from cegppo.engine.models import autocast, resolve_precision
 from cegppo.engine.rollout import RolloutBatch, Sampling
 from cegppo.engine.rundir import RunDir, TrainingError
 from cegppo.faults import failpoint
@@ -71,6 +71,7 @@ class Trainer:
         self.ref_model = build_reference(cfg, self.model, resumed=resume_from is not None)
         if cfg.model.gradient_checkpointing:
             self.model.gradient_checkpointing_enable()
+        self.precision = resolve_precision(cfg.model.precision, next(self.model.parameters()).device.type)
         self.optimizer, self.scheduler = build_optimizer(cfg.optim, self.model)
         self.state = {"step": 0, "cursor": 0, "bad_steps": 0}
         if resume_from is not None:
@@ -178,7 +179,7 @@ class Trainer:
 
     def token_stats(self, model: torch.nn.Module, rb: RolloutBatch, rows: Tensor, collision: bool = False):
         """Per-token log-prob, entropy (and collision term) of ``rows`` under ``model``, at the sampling temperature."""
-        with autocast(self.cfg.model.precision, model):
+        with autocast(self.precision, model):
             return sequence_token_stats(model, rb.input_ids[rows], rb.attention_mask[rows], rb.response_len,
                                         self.cfg.rollout.temperature, collision, fused_head=self.cfg.model.fused_lm_head)
 
