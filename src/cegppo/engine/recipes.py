@@ -13,8 +13,10 @@ import torch
 from cegppo.config import Config
 from cegppo.data.problems import Problem, load_problems
 from cegppo.data.tasks import make_task
+from cegppo.engine.checkpoint import MANIFEST, CheckpointError, verify_checkpoint
 from cegppo.engine.components import build_policy, build_reward, load_splits
 from cegppo.engine.rollout import HFRollout, Sampling
+from cegppo.engine.rundir import RunInterrupted
 from cegppo.engine.sft import supervised_warmup
 from cegppo.engine.trainer import Trainer
 from cegppo.io import read_jsonl
@@ -28,10 +30,22 @@ def peak_rss_mb() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
-def run_training(cfg: Config, resume: bool = False) -> dict:
-    """Base eval -> optional warm-start (+ eval) -> RL -> final eval; writes summary.json and the PNG."""
+def run_training(cfg: Config, resume: bool = False, overwrite: bool = False) -> dict:
+    """Base eval -> optional warm-start (+ eval) -> RL -> final eval; writes summary.json and the PNG.
+
+    The run directory is locked for the whole call and released however it ends. Ctrl-C raises
+    :class:`RunInterrupted` carrying the last completed step."""
     t0 = time.perf_counter()
-    trainer = Trainer(cfg, resume=resume)
+    trainer = Trainer(cfg, resume=resume, overwrite=overwrite)
+    try:
+        return _train(trainer, cfg, t0)
+    except KeyboardInterrupt:
+        raise RunInterrupted(trainer.state["step"]) from None
+    finally:
+        trainer.close()
+
+
+def _train(trainer: Trainer, cfg: Config, t0: float) -> dict:
     evals = {}
 
     def held_out(tag: str, label: str) -> None:
@@ -107,7 +121,21 @@ def eval_problems(req: EvalRequest) -> list[Problem]:
     return problems
 
 
+def verify_model_dir(model: str) -> None:
+    """A cegppo checkpoint given as a model (it holds a manifest) is verified as ``--resume`` does: files that no
+    longer match their manifest are refused."""
+    path = Path(model)
+    if not (path / MANIFEST).is_file():
+        return
+    problem = verify_checkpoint(path)
+    if problem is not None:
+        raise CheckpointError(f"--model {model}: this checkpoint no longer matches its manifest ({problem}); "
+                              f"refusing to evaluate it")
+    log.info("--model %s: checkpoint verified against its manifest", model)
+
+
 def run_eval(req: EvalRequest) -> EvalResult:
+    verify_model_dir(req.model)
     problems = eval_problems(req)
     reward = build_reward(req.reward, key="--reward")
     model, tok = build_policy(req.model, key="--model")
