@@ -93,7 +93,7 @@ def run_one(conf: dict, seed: int, sz: dict, args, data_dir: Path, runs_dir: Pat
         f"eval.max_new_tokens={sz['max_new_tokens']}", "logging.progress=false", *conf["extra"],
     ]
     t0 = time.perf_counter()
-    tr = Trainer(load_config(None, overrides))
+    tr = Trainer(load_config(None, overrides), overwrite=True)  # a rerun replaces its own run directory
     if seed not in base_acc:  # the same weights for every run of a seed: evaluate the start once
         base_acc[seed] = tr.log_eval("base", tr.evaluate())["accuracy"]
     tr.train()

@@ -238,7 +238,7 @@ def part_b(args, out_dir: Path) -> list[dict]:
                 "logging.progress=false",
             ])
             t0 = time.perf_counter()
-            tr = Trainer(cfg)
+            tr = Trainer(cfg, overwrite=True)  # a rerun replaces its own run directory
             start = tr.log_eval("base", tr.evaluate())["accuracy"]
             tr.train()
             final = tr.log_eval("final", tr.evaluate())["accuracy"]

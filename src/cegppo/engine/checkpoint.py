@@ -3,7 +3,8 @@ file sizes and SHA-256 digests so a half-written or corrupted checkpoint is dete
 
 Layout: ``<run>/checkpoints/step_000010/`` holding the policy (``save_pretrained``, safetensors), the
 tokenizer, ``optimizer.pt`` / ``scheduler.pt`` (plain tensors and numbers, loaded with ``weights_only=True``),
-``trainer_state.json`` (step, data position, RNG states) and ``manifest.json`` (written last).
+``trainer_state.json`` (step, data position, the run id and the run's config) and ``manifest.json`` (written last,
+with the run id too). Pruning (``keep``) only ever removes checkpoints of the same run id: never another run's.
 """
 
 from __future__ import annotations
@@ -56,7 +57,10 @@ def save_checkpoint(
     ckpt_root: Path, step: int, model: torch.nn.Module, tokenizer: Any, optimizer: torch.optim.Optimizer,
     scheduler: Any, state: dict, keep: int = 2,
 ) -> Path:
-    """Write ``step_<step>`` atomically; prune to the newest ``keep`` valid checkpoints."""
+    """Write ``step_<step>`` atomically; prune this run's checkpoints (those whose manifest carries
+    ``state["run_id"]``) to the newest ``keep``. Checkpoints of another run id, or whose owner cannot be read,
+    are never deleted."""
+    run_id = state.get("run_id")
     final = step_dir(ckpt_root, step)
     tmp = ckpt_root / f".tmp-{final.name}-{os.getpid()}"
     try:
@@ -74,6 +78,7 @@ def save_checkpoint(
         files = sorted(p for p in tmp.rglob("*") if p.is_file())
         manifest = {
             "step": step,
+            "run_id": run_id,
             "files": {str(p.relative_to(tmp)): {"bytes": p.stat().st_size, "sha256": _sha256(p)} for p in files},
         }
         (tmp / MANIFEST).write_text(json.dumps(manifest, indent=2, sort_keys=True) + "\n")  # fsynced below
@@ -85,9 +90,34 @@ def save_checkpoint(
         shutil.rmtree(tmp, ignore_errors=True)
         reason = e.strerror if isinstance(e, OSError) and e.strerror else f"{type(e).__name__}: {e}"
         raise CheckpointError(f"could not write checkpoint {final}: {one_line(reason)} (older checkpoints are kept)") from e
-    for old in list_checkpoints(ckpt_root)[:-keep]:
+    ours = [p for p in list_checkpoints(ckpt_root) if checkpoint_run_id(p) == run_id]
+    for old in ours[:-keep]:
         shutil.rmtree(old, ignore_errors=True)
     return final
+
+
+_NO_OWNER = object()
+
+
+def checkpoint_run_id(path: Path) -> Any:
+    """The run id in a checkpoint's manifest (None for one written before run ids existed); an unreadable
+    manifest gives a sentinel that matches no run."""
+    try:
+        manifest = json.loads((path / MANIFEST).read_text())
+        return manifest.get("run_id") if isinstance(manifest, dict) else _NO_OWNER
+    except (OSError, ValueError):
+        return _NO_OWNER
+
+
+def read_trainer_state(path: Path) -> dict:
+    """A checkpoint's ``trainer_state.json`` (step, cursor, run id, config), without loading any tensor."""
+    try:
+        state = json.loads((path / "trainer_state.json").read_text())
+    except (OSError, ValueError) as e:
+        raise CheckpointError(f"{path / 'trainer_state.json'}: unreadable ({type(e).__name__}: {one_line(e, 200)})") from None
+    if not isinstance(state, dict):
+        raise CheckpointError(f"{path / 'trainer_state.json'}: expected an object")
+    return state
 
 
 def stale_temp_dirs(ckpt_root: Path) -> list[Path]:

@@ -17,9 +17,11 @@ from cegppo.config import (CLI_EVAL_KEYS, Config, check_data, check_eval_setting
 from cegppo.data.evalsets import resolve_dataset
 from cegppo.data.problems import Problem, load_problems
 from cegppo.data.tasks import make_task
+from cegppo.engine.checkpoint import MANIFEST, CheckpointError, verify_checkpoint
 from cegppo.engine.components import build_policy, build_reward, load_splits
 from cegppo.engine.models import resolve_dtype, resolve_precision
 from cegppo.engine.rollout import HFRollout, Sampling
+from cegppo.engine.rundir import RunInterrupted
 from cegppo.engine.sft import supervised_warmup
 from cegppo.engine.trainer import Trainer
 from cegppo.io import read_jsonl
@@ -52,10 +54,22 @@ def provenance() -> dict:
             "cegppo_version": version("cegppo"), "commit": commit, "uncommitted_changes": dirty}
 
 
-def run_training(cfg: Config, resume: bool = False) -> dict:
-    """Base eval -> optional warm-start (+ eval) -> RL -> final eval; writes summary.json and the PNG."""
+def run_training(cfg: Config, resume: bool = False, overwrite: bool = False) -> dict:
+    """Base eval -> optional warm-start (+ eval) -> RL -> final eval; writes summary.json and the PNG.
+
+    The run directory is locked for the whole call and released however it ends. Ctrl-C raises
+    :class:`RunInterrupted` carrying the last completed step."""
     t0 = time.perf_counter()
-    trainer = Trainer(cfg, resume=resume)
+    trainer = Trainer(cfg, resume=resume, overwrite=overwrite)
+    try:
+        return _train(trainer, cfg, t0)
+    except KeyboardInterrupt:
+        raise RunInterrupted(trainer.state["step"]) from None
+    finally:
+        trainer.close()
+
+
+def _train(trainer: Trainer, cfg: Config, t0: float) -> dict:
     evals = {}
 
     def held_out(tag: str, label: str) -> None:
@@ -136,10 +150,24 @@ def eval_problems(req: EvalRequest) -> list[Problem]:
     return problems
 
 
+def verify_model_dir(model: str) -> None:
+    """A cegppo checkpoint given as a model (it holds a manifest) is verified as ``--resume`` does: files that no
+    longer match their manifest are refused."""
+    path = Path(model)
+    if not (path / MANIFEST).is_file():
+        return
+    problem = verify_checkpoint(path)
+    if problem is not None:
+        raise CheckpointError(f"--model {model}: this checkpoint no longer matches its manifest ({problem}); "
+                              f"refusing to evaluate it")
+    log.info("--model %s: checkpoint verified against its manifest", model)
+
+
 def run_eval(req: EvalRequest) -> EvalResult:
     s = req.sampling
     check_eval_settings(num_problems=req.num_problems, k=req.k, temperature=s.temperature, top_p=s.top_p,
                         max_new_tokens=s.max_new_tokens, keys=CLI_EVAL_KEYS)
+    verify_model_dir(req.model)
     problems = eval_problems(req)
     reward = build_reward(req.reward, key="--reward")
     model, tok = build_policy(req.model, key="--model")

@@ -52,9 +52,39 @@ class Experience:
 
 
 class Trainer:
-    def __init__(self, cfg: Config, resume: bool = False):
+    """``Trainer(cfg)`` starts a fresh run in ``cfg.output_dir`` (refused if the directory holds another run's
+    files, unless ``overwrite``, which removes them); ``Trainer(cfg, resume=True)`` continues the run from its
+    newest intact checkpoint, under the resume contract of :mod:`cegppo.engine.rundir`. The run directory is
+    locked from here until :meth:`close` (``with Trainer(cfg) as t: ...`` closes it)."""
+
+    def __init__(self, cfg: Config, resume: bool = False, overwrite: bool = False):
+        if resume and overwrite:
+            raise TrainingError("--resume continues the run in output_dir and --overwrite deletes it: pass one of them")
         self.cfg = cfg
-        self.run = RunDir(cfg.output_dir)
+        self.run = RunDir(cfg.output_dir)  # takes the run directory's lock, or refuses naming its holder
+        try:
+            self._setup(cfg, resume, overwrite)
+        except BaseException:
+            self.run.close()
+            raise
+
+    def _setup(self, cfg: Config, resume: bool, overwrite: bool) -> None:
+        resume_from = ckpt.latest_valid_checkpoint(self.run.checkpoints) if resume else None
+        if resume and resume_from is None:
+            log.warning("--resume: no valid checkpoint under %s; starting from scratch", self.run.checkpoints)
+        changes: list = []
+        if resume_from is None:
+            if not resume:
+                self.run.check_fresh(overwrite)
+            run_id = self.run.new_run_id()
+        else:  # the run's identity and config come from the checkpoint, before any model is loaded
+            saved = ckpt.read_trainer_state(resume_from)
+            run_id = saved.get("run_id") or self.run.read_run_id() or self.run.new_run_id()
+            old_cfg = saved.get("config") or self.run.read_config()
+            if old_cfg is None:
+                log.warning("--resume: %s records no config; the resume contract cannot be checked", resume_from)
+            else:
+                changes = self.run.resume_changes(old_cfg, cfg)
         configure_torch(cfg.train)
         self.objective = get_objective(cfg.algorithm.objective, **cfg.algorithm.hparams)
         self.controller = build_controller(cfg.algorithm.entropy_control, self.objective.hparams)  # entropy autopilot
@@ -62,9 +92,6 @@ class Trainer:
         self.train_problems, self.test_problems = load_splits(cfg)
         check_data(cfg, self.train_problems, self.test_problems)  # before any model loads
         self.data = DataOrder(self.train_problems, cfg.train.seed)
-        resume_from = ckpt.latest_valid_checkpoint(self.run.checkpoints) if resume else None
-        if resume and resume_from is None:
-            log.warning("--resume: no valid checkpoint under %s; starting from scratch", self.run.checkpoints)
         source = str(resume_from) if resume_from else cfg.model.name
         self.model, self.tokenizer = build_policy(source, f"checkpoint {source}" if resume_from else "model.name")
         check_prompt_budget(self.tokenizer, self.train_problems + self.test_problems, cfg.rollout.max_prompt_tokens)
@@ -76,13 +103,39 @@ class Trainer:
         self.state = {"step": 0, "cursor": 0, "bad_steps": 0}
         if resume_from is not None:
             self.state.update(ckpt.load_training_state(resume_from, self.optimizer, self.scheduler))
+            if any(k == "optim.lr" for k, _, _ in changes):
+                self._apply_lr(cfg.optim.lr)
             log.info("resumed from %s at step %d", resume_from, self.state["step"])
         if self.controller is not None and "entropy_control" in self.state:
             self.controller.load_state_dict(self.state["entropy_control"])
+        self.state["run_id"] = run_id  # kept in every checkpoint: pruning only touches this run's
+        self.state["config"] = cfg.to_dict()  # the config in force, compared on the next --resume
         self.run.truncate_logs(self.state["step"], resumed=resume_from is not None)
         self.engine = build_rollout(cfg, self.model, self.tokenizer)
-        self.run.save_config(cfg)
         self.progress = Progress("cegppo train", cfg.train.steps, enabled=False)  # train() shows it
+        if resume_from is None:
+            self.run.start(run_id, cfg)
+        else:
+            self.run.record_changes(self.state["step"], changes, cfg, run_id)
+
+    def _apply_lr(self, lr: float) -> None:
+        """A changed ``optim.lr`` on resume: the loaded optimizer/scheduler state carries the old one, so set the
+        scheduler's base and the groups' initial and current lr (the warm-up multiplier at the current step)."""
+        self.scheduler.base_lrs = [lr for _ in self.optimizer.param_groups]
+        for group, fn in zip(self.optimizer.param_groups, self.scheduler.lr_lambdas):
+            group["initial_lr"] = lr
+            group["lr"] = lr * fn(self.scheduler.last_epoch)
+        self.scheduler._last_lr = [g["lr"] for g in self.optimizer.param_groups]
+
+    def close(self) -> None:
+        """Release the run directory's lock (idempotent)."""
+        self.run.close()
+
+    def __enter__(self) -> Trainer:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
     # ---------------------------------------------------------------------------------------------------
     def step(self) -> dict:
