@@ -98,6 +98,7 @@ def run_one(conf: dict, seed: int, sz: dict, args, data_dir: Path, runs_dir: Pat
         base_acc[seed] = tr.log_eval("base", tr.evaluate())["accuracy"]
     tr.train()
     final = tr.log_eval("final", tr.evaluate())["accuracy"]
+    tr.close()
     rows = read_jsonl(run_dir / "metrics.jsonl")
     wall = time.perf_counter() - t0
 
