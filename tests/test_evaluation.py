@@ -107,3 +107,26 @@ def test_eval_cli_on_task_and_dataset_file(tmp_path, capsys):
     assert set(summary) == {"arithmetic", "AIME 2024"}
     printed = capsys.readouterr().out
     assert "avg@2" in printed and "pass@2" in printed and "maj@2" in printed
+
+
+def test_help_answers(capsys):
+    """Bare `cegppo` prints help (the quickstart is `cegppo train`); every flag says what it does and its default;
+    the bundled configs, tasks and eval sets are listed."""
+    import argparse
+
+    from cegppo.cli import build_parser, main
+
+    assert main([]) == 0
+    out = capsys.readouterr().out
+    assert "usage: cegppo" in out and "cegppo train" in out
+    assert "quickstart, tiny, paper_1p5b, paper_7b" in out and "arithmetic" in out and "aime24 (AIME 2024)" in out
+    parser = build_parser()
+    subs = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction)).choices
+    for name, sp in subs.items():
+        for action in sp._actions:
+            if action.dest in ("help", "debug"):
+                continue
+            assert action.help and action.help != argparse.SUPPRESS, f"cegppo {name} {action.dest}: no help"
+        assert "(default:" in sp.format_help() or name == "compare"
+    eval_help = subs["eval"].format_help()
+    assert "temperature 0.6, top-p 0.95" in " ".join(eval_help.split()) and "--greedy" in eval_help

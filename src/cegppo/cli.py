@@ -64,9 +64,12 @@ def cmd_eval(args) -> int:
     from cegppo.engine.recipes import EvalRequest, run_eval
     from cegppo.engine.rollout import Sampling
 
-    req = EvalRequest(args.model, args.data, args.k, Sampling(args.temperature, args.top_p, 0, args.max_new_tokens),
+    temperature, top_p = (0.0, 1.0) if args.greedy else (args.temperature, args.top_p)
+    req = EvalRequest(args.model, args.data, args.k, Sampling(temperature, top_p, 0, args.max_new_tokens),
                       args.num_problems, args.difficulty, args.reward, args.dtype, args.max_prompt_tokens,
                       args.batch_prompts, args.seed)
+    how = "greedy" if temperature == 0 else f"sampling at temperature {temperature:g}, top-p {top_p:g}"
+    log.info("cegppo eval: k=%d, %s, up to %d new tokens", args.k, how, args.max_new_tokens)
     result = run_eval(req)
     print(f"| data source | problems | avg@{args.k} | pass@{args.k} | maj@{args.k} |\n|---|---|---|---|---|")
     for src, s in result.summary.items():
@@ -93,45 +96,76 @@ def cmd_compare(args) -> int:
     return 0
 
 
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="cegppo", description="CE-GPPO RL fine-tuning on verifiable rewards")
-    p.add_argument("--debug", action="store_true", help="show the traceback of an error or interrupt")
-    sub = p.add_subparsers(dest="command")
+BUNDLED_CONFIGS = ("quickstart", "tiny", "paper_1p5b", "paper_7b")
 
-    t = sub.add_parser("train", help="RL training (default: the quickstart on the bundled SmolLM2-135M)")
-    t.add_argument("config", nargs="?", help="YAML file or bundled name (quickstart, tiny, paper_1p5b, paper_7b)")
-    t.add_argument("overrides", nargs="*", help="dotted key=value overrides, e.g. algorithm.hparams.beta1=0.5")
+
+def _catalogue() -> str:
+    """What can be named on the command line: bundled configs, built-in tasks, bundled eval sets."""
+    from cegppo.data.evalsets import EVAL_SETS
+    from cegppo.data.tasks import TASKS
+
+    sets = ", ".join(f"{name} ({s.data_source})" for name, s in EVAL_SETS.items())
+    return (f"bundled configs: {', '.join(BUNDLED_CONFIGS)}; built-in tasks: {', '.join(sorted(TASKS))}; "
+            f"bundled eval sets: {sets}")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    fmt = argparse.ArgumentDefaultsHelpFormatter
+    p = argparse.ArgumentParser(
+        prog="cegppo", formatter_class=fmt,
+        description="CE-GPPO RL fine-tuning on verifiable rewards. `cegppo train` runs the quickstart (CE-GPPO on "
+                    "the bundled SmolLM2-135M-Instruct, about 15 minutes on a laptop CPU).",
+        epilog=_catalogue())
+    p.add_argument("--debug", action="store_true", help="show the traceback of an error or interrupt")
+    sub = p.add_subparsers(dest="command", metavar="{train,sft,eval,compare}")
+
+    t = sub.add_parser("train", formatter_class=fmt, epilog=_catalogue(),
+                       help="RL training (no config: the quickstart on the bundled SmolLM2-135M)")
+    t.add_argument("config", nargs="?", default="quickstart", help="YAML file or bundled config name")
+    t.add_argument("overrides", nargs="*", help="dotted key=value overrides, e.g. algorithm.hparams.beta1=0.5 "
+                                                "(every key: src/cegppo/config.py)")
     t.add_argument("--resume", action="store_true", help="continue from the newest intact checkpoint in output_dir")
     t.add_argument("--overwrite", action="store_true",
                    help="delete the previous run's files in output_dir (logged) and start a fresh run there")
     t.set_defaults(fn=cmd_train)
 
-    s = sub.add_parser("sft", help="supervised warm-start on a task's reference solutions")
-    s.add_argument("config", nargs="?")
-    s.add_argument("overrides", nargs="*")
+    s = sub.add_parser("sft", formatter_class=fmt, epilog=_catalogue(),
+                       help="supervised warm-start on a task's reference solutions")
+    s.add_argument("config", nargs="?", default="quickstart", help="YAML file or bundled config name (its model, "
+                                                                    "data and sft sections)")
+    s.add_argument("overrides", nargs="*", help="dotted key=value overrides, e.g. sft.steps=40")
     s.add_argument("--out", required=True, help="output model directory")
     s.set_defaults(fn=cmd_sft)
 
-    e = sub.add_parser("eval", help="avg@k / pass@k / maj@k of a model on datasets or built-in tasks")
-    e.add_argument("--model", required=True, help="preset, local directory or hub name")
-    e.add_argument("--data", nargs="+", required=True, help="dataset files (.jsonl/.json/.parquet) or task names")
-    e.add_argument("--k", type=int, default=1)
-    e.add_argument("--temperature", type=float, default=0.6)
-    e.add_argument("--top-p", type=float, default=0.95)
-    e.add_argument("--max-new-tokens", type=int, default=256)
-    e.add_argument("--max-prompt-tokens", type=int, default=1024)
-    e.add_argument("--num-problems", type=int, default=0, help="limit (0 = all)")
-    e.add_argument("--difficulty", type=int, default=1)
-    e.add_argument("--reward", default="math-strict")
-    e.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float32"])
-    e.add_argument("--batch-prompts", type=int, default=16)
-    e.add_argument("--seed", type=int, default=0)
-    e.add_argument("--out", help="per-problem results JSONL")
+    e = sub.add_parser(
+        "eval", formatter_class=fmt, epilog=_catalogue(),
+        help="avg@k / pass@k / maj@k of a model on datasets, bundled eval sets or built-in tasks",
+        description="Sample k responses per problem and grade them. Sampling defaults are the paper's evaluation "
+                    "(temperature 0.6, top-p 0.95); the held-out evaluation inside `cegppo train` is greedy "
+                    "(eval.temperature 0): pass --greedy to match it.")
+    e.add_argument("--model", required=True, help="preset (smollm2-135m-instruct, tiny), model or checkpoint "
+                                                  "directory, or hub name")
+    e.add_argument("--data", nargs="+", required=True,
+                   help="dataset files (.jsonl/.json/.parquet), bundled eval sets or built-in task names")
+    e.add_argument("--k", type=int, default=1, help="samples per problem (avg@k, pass@k, maj@k)")
+    e.add_argument("--temperature", type=float, default=0.6, help="sampling temperature (0 = greedy)")
+    e.add_argument("--top-p", type=float, default=0.95, help="nucleus sampling threshold")
+    e.add_argument("--greedy", action="store_true", help="greedy decoding (temperature 0; with --k 1), as the in-training evaluation")
+    e.add_argument("--max-new-tokens", type=int, default=256, help="response token budget")
+    e.add_argument("--max-prompt-tokens", type=int, default=1024, help="prompt token budget (must keep the question)")
+    e.add_argument("--num-problems", type=int, default=0, help="problems per dataset (0 = all)")
+    e.add_argument("--difficulty", type=int, default=1, help="built-in task difficulty, 1-5")
+    e.add_argument("--reward", default="math-strict", help="math-strict, math-lenient or module:function")
+    e.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float32"],
+                   help="generation dtype; auto: bfloat16 where bf16 is fast (GPU, CPU with native bf16)")
+    e.add_argument("--batch-prompts", type=int, default=16, help="prompts generated together")
+    e.add_argument("--seed", type=int, default=0, help="sampling seed (and built-in task split seed)")
+    e.add_argument("--out", help="per-problem results JSONL (and a .summary.json beside it)")
     e.set_defaults(fn=cmd_eval)
 
-    c = sub.add_parser("compare", help="plots and a summary table comparing run directories")
-    c.add_argument("runs", nargs="+")
-    c.add_argument("--out", required=True)
+    c = sub.add_parser("compare", formatter_class=fmt, help="plots and a summary table comparing run directories")
+    c.add_argument("runs", nargs="+", help="run directories (output_dir of cegppo train)")
+    c.add_argument("--out", required=True, help="output directory: compare.png, one PNG per metric, summary.md")
     c.set_defaults(fn=cmd_compare)
     for sp in (t, s, e, c):  # `cegppo train --debug ...` as well as `cegppo --debug train ...`
         sp.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help=argparse.SUPPRESS)
@@ -140,9 +174,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    args = build_parser().parse_args(argv)
-    if args.command is None:  # `cegppo` alone runs the quickstart too
-        args = build_parser().parse_args((["--debug"] if args.debug else []) + ["train"])
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.command is None:  # bare `cegppo`: help, not a 15-minute run (that is `cegppo train`)
+        parser.print_help()
+        return 0
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     from cegppo.reporting.progress import quiet_third_party_bars
 
