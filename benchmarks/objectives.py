@@ -28,6 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))  # the re
 import reference  # noqa: E402
 from cegppo.algorithm.objectives import OBJECTIVES, get_objective  # noqa: E402
 from cegppo.algorithm.policy_loss import policy_loss  # noqa: E402
+from logits_memory import peak_bytes_cpu  # noqa: E402  (benchmarks/, this script's directory)
 
 FLOOR = "memory-bandwidth floor"
 RESULTS = Path(__file__).resolve().parent / "results" / "objectives.json"
@@ -52,19 +53,8 @@ def time_interleaved(fns: dict[str, callable], rounds: int, batch_seconds: float
 
 
 def peak_bytes(fn) -> int:
-    """Peak extra CPU memory allocated by torch during ``fn`` (profiler memory stats)."""
-    from torch.profiler import ProfilerActivity, profile
-
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        fn()
-    cur = peak = 0
-    events = sorted(
-        (e for e in prof.events() if e.cpu_memory_usage != 0), key=lambda e: e.time_range.start
-    )
-    for e in events:
-        cur += e.cpu_memory_usage
-        peak = max(peak, cur)
-    return peak
+    """Peak extra CPU memory allocated by torch during ``fn`` (the profiler's allocation records, replayed)."""
+    return peak_bytes_cpu(fn)[0]
 
 
 def main() -> None:
