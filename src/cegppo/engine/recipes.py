@@ -59,7 +59,7 @@ def run_training(cfg: Config, resume: bool = False, overwrite: bool = False) -> 
 
     The run directory is locked for the whole call and released however it ends. Ctrl-C raises
     :class:`RunInterrupted` carrying the last completed step."""
-    t0 = time.perf_counter()
+    t0, origin = time.perf_counter(), provenance()  # what the run starts from, before anything can change
     trainer = Trainer(cfg, resume=resume, overwrite=overwrite)
     try:
         return _train(trainer, cfg, t0)
@@ -99,7 +99,7 @@ def _train(trainer: Trainer, cfg: Config, t0: float) -> dict:
         "entropy_last": entropies[-1] if entropies else None,
         "steps_this_session": len(rows),
         "precision": {"model.precision": trainer.precision, "model.rollout_dtype": str(trainer.engine.dtype)},
-        "provenance": provenance(),
+        "provenance": origin,
     }
     trainer.run.write_summary(summary)
     plot_run(trainer.run.path)
