@@ -62,14 +62,14 @@ def run_training(cfg: Config, resume: bool = False, overwrite: bool = False) -> 
     t0, origin = time.perf_counter(), provenance()  # what the run starts from, before anything can change
     trainer = Trainer(cfg, resume=resume, overwrite=overwrite)
     try:
-        return _train(trainer, cfg, t0)
+        return _train(trainer, cfg, t0, origin)
     except KeyboardInterrupt:
         raise RunInterrupted(trainer.state["step"]) from None
     finally:
         trainer.close()
 
 
-def _train(trainer: Trainer, cfg: Config, t0: float) -> dict:
+def _train(trainer: Trainer, cfg: Config, t0: float, origin: dict) -> dict:
     evals = {}
 
     def held_out(tag: str, label: str) -> None:
