@@ -1,6 +1,5 @@
 import json
 import re
-from pathlib import Path
 
 import pytest
 import torch

@@ -5,7 +5,6 @@ Runs against the real TRL package on CPU with a tiny local char-level model (no 
 
 from __future__ import annotations
 
-import string
 import warnings
 
 import pytest
