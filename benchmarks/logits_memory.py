@@ -120,7 +120,7 @@ def main() -> None:
             t0 = time.perf_counter()
             peak, out = peak_bytes(run(fused))
             res[name] = (peak, time.perf_counter() - t0, out)
-        (_, _, o_full), (_, _, o_fused) = res["full logits"], res["fused head"]
+        (p_full, _, o_full), (_, _, o_fused) = res["full logits"], res["fused head"]
         diffs = {
             "log_prob_max_abs": float((o_fused[0] - o_full[0]).abs().max()),
             "entropy_max_abs": float((o_fused[1] - o_full[1]).abs().max()),
