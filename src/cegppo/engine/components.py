@@ -109,6 +109,16 @@ def build_optimizer(o: OptimConfig, model: torch.nn.Module) -> tuple[torch.optim
     return optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, lr_multiplier(o.warmup_steps))
 
 
+def set_lr(optimizer: torch.optim.Optimizer, scheduler: Any, lr: float) -> None:
+    """A changed ``optim.lr`` on resume: the loaded optimizer/scheduler state carries the old one, so set the
+    scheduler's base and the groups' initial and current lr (the warm-up multiplier at the current step)."""
+    scheduler.base_lrs = [lr for _ in optimizer.param_groups]
+    for group, fn in zip(optimizer.param_groups, scheduler.lr_lambdas):
+        group["initial_lr"] = lr
+        group["lr"] = lr * fn(scheduler.last_epoch)
+    scheduler._last_lr = [g["lr"] for g in optimizer.param_groups]
+
+
 def build_rollout(cfg: Config, policy: torch.nn.Module, tokenizer: Any) -> HFRollout:
     """The generation engine: HF ``generate`` on a copy of the policy in ``model.rollout_dtype``."""
     dtype = resolve_dtype(cfg.model.rollout_dtype, next(policy.parameters()).device.type)

@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from cegppo.config import Config, save_config
+from cegppo.engine import checkpoint as ckpt
 from cegppo.engine.runlock import RunLock, RunLockedError
 from cegppo.io import append_jsonl, atomic_write_json, atomic_write_text, read_jsonl
 
@@ -137,6 +138,24 @@ class RunDir:
     def run_files(self) -> list[Path]:
         """The files of a previous run present in the directory (see :data:`RUN_FILES`)."""
         return [self.path / name for name in RUN_FILES if (self.path / name).exists()]
+
+    def begin(self, cfg: Config, resume: bool, overwrite: bool) -> tuple[Path | None, str, list[tuple[str, Any, Any]]]:
+        """Where a run starts: (the checkpoint it resumes from or None, its run id, the config changes to apply).
+        A fresh run checks the directory holds no other run; a resumed one checks the resume contract."""
+        resume_from = ckpt.latest_valid_checkpoint(self.checkpoints) if resume else None
+        if resume and resume_from is None:
+            log.warning("--resume: no valid checkpoint under %s; starting from scratch", self.checkpoints)
+        if resume_from is None:
+            if not resume:
+                self.check_fresh(overwrite)
+            return None, self.new_run_id(), []
+        saved = ckpt.read_trainer_state(resume_from)  # the run's identity and config come from the checkpoint
+        run_id = saved.get("run_id") or self.read_run_id() or self.new_run_id()
+        old_cfg = saved.get("config") or self.read_config()
+        if old_cfg is None:
+            log.warning("--resume: %s records no config; the resume contract cannot be checked", resume_from)
+            return resume_from, run_id, []
+        return resume_from, run_id, self.resume_changes(old_cfg, cfg)
 
     def check_fresh(self, overwrite: bool) -> None:
         """Before a fresh run: refuse a directory holding another run's files, or remove them (``overwrite``)."""

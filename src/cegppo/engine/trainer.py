@@ -22,7 +22,7 @@ from cegppo.algorithm.policy_loss import policy_loss
 from cegppo.config import Config, check_data, check_prompt_budget, eval_limit
 from cegppo.engine import checkpoint as ckpt
 from cegppo.engine.components import (DataOrder, build_optimizer, build_policy, build_reference, build_reward,
-                                      build_rollout, configure_torch, load_splits, step_seed)
+                                      build_rollout, configure_torch, load_splits, set_lr, step_seed)
 from cegppo.engine.models import autocast, resolve_precision
 from cegppo.engine.rollout import RolloutBatch, Sampling
 from cegppo.engine.rundir import RunDir, TrainingError
@@ -69,22 +69,7 @@ class Trainer:
             raise
 
     def _setup(self, cfg: Config, resume: bool, overwrite: bool) -> None:
-        resume_from = ckpt.latest_valid_checkpoint(self.run.checkpoints) if resume else None
-        if resume and resume_from is None:
-            log.warning("--resume: no valid checkpoint under %s; starting from scratch", self.run.checkpoints)
-        changes: list = []
-        if resume_from is None:
-            if not resume:
-                self.run.check_fresh(overwrite)
-            run_id = self.run.new_run_id()
-        else:  # the run's identity and config come from the checkpoint, before any model is loaded
-            saved = ckpt.read_trainer_state(resume_from)
-            run_id = saved.get("run_id") or self.run.read_run_id() or self.run.new_run_id()
-            old_cfg = saved.get("config") or self.run.read_config()
-            if old_cfg is None:
-                log.warning("--resume: %s records no config; the resume contract cannot be checked", resume_from)
-            else:
-                changes = self.run.resume_changes(old_cfg, cfg)
+        resume_from, run_id, changes = self.run.begin(cfg, resume, overwrite)  # before any model is loaded
         configure_torch(cfg.train)
         self.objective = get_objective(cfg.algorithm.objective, **cfg.algorithm.hparams)
         self.controller = build_controller(cfg.algorithm.entropy_control, self.objective.hparams)  # entropy autopilot
@@ -104,7 +89,7 @@ class Trainer:
         if resume_from is not None:
             self.state.update(ckpt.load_training_state(resume_from, self.optimizer, self.scheduler))
             if any(k == "optim.lr" for k, _, _ in changes):
-                self._apply_lr(cfg.optim.lr)
+                set_lr(self.optimizer, self.scheduler, cfg.optim.lr)
             log.info("resumed from %s at step %d", resume_from, self.state["step"])
         if self.controller is not None and "entropy_control" in self.state:
             self.controller.load_state_dict(self.state["entropy_control"])
@@ -117,15 +102,6 @@ class Trainer:
             self.run.start(run_id, cfg)
         else:
             self.run.record_changes(self.state["step"], changes, cfg, run_id)
-
-    def _apply_lr(self, lr: float) -> None:
-        """A changed ``optim.lr`` on resume: the loaded optimizer/scheduler state carries the old one, so set the
-        scheduler's base and the groups' initial and current lr (the warm-up multiplier at the current step)."""
-        self.scheduler.base_lrs = [lr for _ in self.optimizer.param_groups]
-        for group, fn in zip(self.optimizer.param_groups, self.scheduler.lr_lambdas):
-            group["initial_lr"] = lr
-            group["lr"] = lr * fn(self.scheduler.last_epoch)
-        self.scheduler._last_lr = [g["lr"] for g in self.optimizer.param_groups]
 
     def close(self) -> None:
         """Release the run directory's lock (idempotent)."""
