@@ -12,7 +12,7 @@ from typing import Any
 
 
 def cache_root() -> Path:
-    """`$CEGPPO_CACHE`, else `~/.cache/cegppo`: converted models and built kernels."""
+    """`$CEGPPO_CACHE`, else `~/.cache/cegppo`: converted models (the SmolLM2 preset, the tiny model)."""
     env = os.environ.get("CEGPPO_CACHE")
     return Path(env).expanduser() if env else Path.home() / ".cache" / "cegppo"
 
