@@ -74,7 +74,7 @@ def _train(trainer: Trainer, cfg: Config, t0: float, origin: dict) -> dict:
 
     def held_out(tag: str, label: str) -> None:
         if trainer.test_problems:
-            evals[tag] = trainer.log_eval(tag, trainer.evaluate(desc=f"eval ({label})"))["accuracy"]
+            evals[tag] = trainer.log_eval(tag, trainer.evaluate(desc=f"held-out eval, {label}"))["accuracy"]
             log.info("held-out accuracy %s: %.3f", label, evals[tag])
 
     if not trainer.state.get("warm_started"):
