@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import subprocess
 import sys
@@ -126,7 +127,8 @@ def main() -> None:
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
     RESULTS.write_text(json.dumps({
         "commit": commit, "command": "python " + " ".join(sys.argv), "torch": torch.__version__,
-        "threads": torch.get_num_threads(), "batch": B, "tokens": T, "floor_ms": floor_s * 1e3,
+        "threads": torch.get_num_threads(), "load_average_1min": os.getloadavg()[0], "batch": B, "tokens": T,
+        "floor_ms": floor_s * 1e3,
         "rows": {name: {"ms": results[name] * 1e3, "peak_mb": mem[name] / 2**20} for name, _ in rows},
     }, indent=2) + "\n")
     print(f"results: {RESULTS}")
