@@ -114,8 +114,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="cegppo", formatter_class=fmt,
         description="CE-GPPO RL fine-tuning on verifiable rewards. `cegppo train` runs the quickstart (CE-GPPO on "
-                    "the bundled SmolLM2-135M-Instruct: 13 minutes on a 2-core CPU with native bf16, several times longer "
-                    "on an AVX2-only one).",
+                    "the bundled SmolLM2-135M-Instruct: about 25 minutes on a 2-core CPU).",
         epilog=_catalogue())
     p.add_argument("--debug", action="store_true", help="show the traceback of an error or interrupt")
     sub = p.add_subparsers(dest="command", metavar="{train,sft,eval,compare}")
