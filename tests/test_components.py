@@ -214,3 +214,14 @@ def test_default_aggregation_is_the_objectives_own(tiny_config):
     want = aggregate(gspo.token_loss(lp, old, adv, mask), mask, "seq-mean-token-mean")
     torch.testing.assert_close(loss, want, rtol=0, atol=1e-12)
     assert tiny_config("algorithm.objective=gspo", "algorithm.hparams={}").algorithm.agg is None
+
+
+def test_run_json_records_command_and_commit(tiny_config):
+    import json
+
+    from cegppo.engine.trainer import Trainer
+
+    with Trainer(tiny_config("train.steps=1", "train.save_every=0")) as tr:
+        record = json.loads((tr.run.path / "run.json").read_text())
+    assert {"run_id", "started", "command", "cegppo_version", "commit", "uncommitted_changes"} <= set(record)
+    assert record["command"] and record["cegppo_version"]

@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import logging
 import resource
-import subprocess
-import sys
 import time
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -36,40 +34,22 @@ def peak_rss_mb() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
-def provenance() -> dict:
-    """What produced a result: the command line, cegppo's version and, in a git checkout, the commit."""
-    from importlib.metadata import version
-
-    src = Path(__file__).resolve().parents[3]  # the checkout, when cegppo runs from one (pip install -e)
-    commit, dirty = None, False
-    if (src / ".git").exists():
-        try:
-            commit = subprocess.run(["git", "-C", str(src), "rev-parse", "HEAD"], capture_output=True, text=True,
-                                    timeout=10).stdout.strip() or None
-            dirty = bool(subprocess.run(["git", "-C", str(src), "status", "--porcelain", "--untracked-files=no"],
-                                        capture_output=True, text=True, timeout=10).stdout.strip())
-        except (OSError, subprocess.SubprocessError):
-            pass
-    return {"command": " ".join(["cegppo", *sys.argv[1:]]) if Path(sys.argv[0]).name == "cegppo" else " ".join(sys.argv),
-            "cegppo_version": version("cegppo"), "commit": commit, "uncommitted_changes": dirty}
-
-
 def run_training(cfg: Config, resume: bool = False, overwrite: bool = False) -> dict:
     """Base eval -> optional warm-start (+ eval) -> RL -> final eval; writes summary.json and the PNG.
 
     The run directory is locked for the whole call and released however it ends. Ctrl-C raises
     :class:`RunInterrupted` carrying the last completed step."""
-    t0, origin = time.perf_counter(), provenance()  # what the run starts from, before anything can change
+    t0 = time.perf_counter()
     trainer = Trainer(cfg, resume=resume, overwrite=overwrite)
     try:
-        return _train(trainer, cfg, t0, origin)
+        return _train(trainer, cfg, t0)
     except KeyboardInterrupt:
         raise RunInterrupted(trainer.state["step"]) from None
     finally:
         trainer.close()
 
 
-def _train(trainer: Trainer, cfg: Config, t0: float, origin: dict) -> dict:
+def _train(trainer: Trainer, cfg: Config, t0: float) -> dict:
     evals = {}
 
     def held_out(tag: str, label: str) -> None:
@@ -99,7 +79,7 @@ def _train(trainer: Trainer, cfg: Config, t0: float, origin: dict) -> dict:
         "entropy_last": entropies[-1] if entropies else None,
         "steps_this_session": len(rows),
         "precision": {"model.precision": trainer.precision, "model.rollout_dtype": str(trainer.engine.dtype)},
-        "provenance": origin,
+        "provenance": trainer.run.provenance,  # taken when this session started
     }
     trainer.run.write_summary(summary)
     plot_run(trainer.run.path)

@@ -12,6 +12,8 @@ import json
 import logging
 import os
 import shutil
+import subprocess
+import sys
 import uuid
 from datetime import datetime, timezone
 from fnmatch import fnmatchcase
@@ -108,11 +110,30 @@ def _fmt(v: Any) -> str:
     return v if v == _UNSET else json.dumps(v)
 
 
+def provenance() -> dict:
+    """What produced a result: the command line, cegppo's version and, in a git checkout, the commit."""
+    from importlib.metadata import version
+
+    src = Path(__file__).resolve().parents[3]  # the checkout, when cegppo runs from one (pip install -e)
+    commit, dirty = None, False
+    if (src / ".git").exists():
+        try:
+            commit = subprocess.run(["git", "-C", str(src), "rev-parse", "HEAD"], capture_output=True, text=True,
+                                    timeout=10).stdout.strip() or None
+            dirty = bool(subprocess.run(["git", "-C", str(src), "status", "--porcelain", "--untracked-files=no"],
+                                        capture_output=True, text=True, timeout=10).stdout.strip())
+        except (OSError, subprocess.SubprocessError):
+            pass
+    return {"command": " ".join(["cegppo", *sys.argv[1:]]) if Path(sys.argv[0]).name == "cegppo" else " ".join(sys.argv),
+            "cegppo_version": version("cegppo"), "commit": commit, "uncommitted_changes": dirty}
+
+
 class RunDir:
     """The run directory, owned (locked) by this process from construction until :meth:`close`."""
 
     def __init__(self, path: str | Path):
         self.path = Path(path)
+        self.provenance = provenance()  # what this session runs: command, version, commit, before anything changes
         self.checkpoints = self.path / "checkpoints"
         self.metrics = self.path / "metrics.jsonl"
         self.evals = self.path / "eval.jsonl"
@@ -188,7 +209,7 @@ class RunDir:
         """A fresh run's record: ``run.json`` (its id) and ``config.yaml`` (its config, fixed from now on)."""
         self.changes.unlink(missing_ok=True)  # a restart from scratch (--resume without a checkpoint)
         atomic_write_json(self.path / "run.json", {
-            "run_id": run_id, "started": datetime.now(timezone.utc).isoformat(timespec="seconds")})
+            "run_id": run_id, "started": datetime.now(timezone.utc).isoformat(timespec="seconds"), **self.provenance})
         self.save_config(cfg)
 
     def read_config(self) -> dict | None:
@@ -233,7 +254,7 @@ class RunDir:
         if not (self.path / "config.yaml").exists():
             self.save_config(cfg)
         if self.read_run_id() != run_id:  # missing, or the checkpoint was brought from elsewhere: its id wins
-            atomic_write_json(self.path / "run.json", {"run_id": run_id, "started": None})
+            atomic_write_json(self.path / "run.json", {"run_id": run_id, "started": None, **self.provenance})
 
     def truncate_logs(self, step: int, resumed: bool) -> None:
         """Drop metric and eval rows logged after the checkpoint we resume from (all of them on a fresh start):

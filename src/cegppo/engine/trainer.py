@@ -170,7 +170,7 @@ class Trainer:
             self.progress.phase(f"generate {len(problems)} x {n}" + (f" (round {gen_batch + 1})" if gen_batch else ""))
             rollouts = self.engine.generate([p.messages for p in problems], n,
                                             Sampling(r.temperature, r.top_p, r.top_k, r.max_new_tokens),
-                                            on_token=self.progress.token_heartbeat)
+                                            on_token=self.progress.on_token)
             failpoint("generation", step)
             graded = self.reward_fn(rollouts.texts, [p.answer for p in problems for _ in range(n)])
             for msg in graded.failure_messages:

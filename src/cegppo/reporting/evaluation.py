@@ -65,7 +65,7 @@ def evaluate(
         if progress is not None:
             progress.phase(f"generate {len(chunk)} x {k}")
         batch = engine.generate([p.messages for p in chunk], k, sampling,
-                                on_token=progress.token_heartbeat if progress is not None else None)
+                                on_token=progress.on_token if progress is not None else None)
         generated += int(batch.response_mask.sum())
         if progress is not None:
             progress.advance(len(chunk), tok_s=generated / (time.perf_counter() - t0))

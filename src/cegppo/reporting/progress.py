@@ -73,6 +73,11 @@ class Progress:
         """A rollout engine's per-token callback (``on_token``)."""
         self.heartbeat(f"token {tokens}/{max_tokens}")
 
+    @property
+    def on_token(self):
+        """The callback to hand a rollout engine, or None when nothing is shown (no per-token streamer then)."""
+        return self.token_heartbeat if self.enabled else None
+
     def advance(self, n: int = 1, **info: Any) -> None:
         self.done += n
         if not self.enabled:
