@@ -3,6 +3,7 @@
     python benchmarks/entropy_control.py                  # CPU scale: 7 configurations x 2 seeds (~75 CPU-minutes)
     python benchmarks/entropy_control.py --quick          # smoke test: tiny model, 2 steps, 1 seed (not meaningful)
     python benchmarks/entropy_control.py --from-json benchmarks/results/entropy_control.json   # report only
+    python benchmarks/entropy_control.py --resume         # after an interruption: keep the runs that finished
 
 The setting is part B of ``benchmarks/reproduce_entropy.py``, where our entropy measurements were made: the
 bundled SmolLM2-135M-Instruct, policy softmax(logits / 0.7) for sampling and training, fp32 master weights
@@ -294,6 +295,8 @@ def main() -> None:
     ap.add_argument("--only", nargs="+", help="run only these labels (e.g. to resume a partial benchmark by hand)")
     ap.add_argument("--out", type=Path, help=f"results directory (default {RESULTS}; --quick: runs/entropy_control_quick)")
     ap.add_argument("--runs-dir", type=Path, help="where the training runs go (default runs/entropy_control[_quick])")
+    ap.add_argument("--resume", action="store_true",
+                    help="keep the records of runs an interrupted benchmark finished (same settings assumed)")
     ap.add_argument("--quick", action="store_true", help="tiny model, 2 steps, 1 seed: a smoke test, not a result")
     ap.add_argument("--from-json", type=Path, help="regenerate the report and plot from a saved result")
     args = ap.parse_args()
@@ -320,7 +323,14 @@ def main() -> None:
     runs, base_acc = [], {}
     for seed in sz["seeds"]:
         for conf in confs:
+            done = runs_dir / f"{conf['label'].replace(' ', '_').replace('%', 'pct')}-seed{seed}.record.json"
+            if args.resume and done.exists():  # a finished run of an interrupted benchmark: keep its record
+                runs.append(json.loads(done.read_text()))
+                base_acc.setdefault(seed, runs[-1]["initial_test_accuracy"])
+                print(f"{conf['label']:<28} seed {seed}: kept from {done}", flush=True)
+                continue
             runs.append(run_one(conf, seed, sz, args, data_dir, runs_dir, base_acc))
+            atomic_write_json(done, runs[-1])
     summary = summarize(runs)
     result = dict(command="python benchmarks/entropy_control.py " + " ".join(sys.argv[1:]), commit=git_commit(),
                   torch=torch.__version__, wall_s=time.perf_counter() - t0,
