@@ -225,3 +225,47 @@ def test_run_json_records_command_and_commit(tiny_config):
         record = json.loads((tr.run.path / "run.json").read_text())
     assert {"run_id", "started", "command", "cegppo_version", "commit", "uncommitted_changes"} <= set(record)
     assert record["command"] and record["cegppo_version"]
+
+
+def test_rollout_engine_shares_the_policy_only_in_its_dtype(tiny):
+    from cegppo.engine.rollout import HFRollout, Sampling
+
+    model, tok = tiny
+    model.train()
+    same = HFRollout(model, tok, 512, torch.float32)
+    assert same.model is model  # no second copy of the weights to hold or to sync
+    same.generate([[{"role": "user", "content": "1+1?"}]], 2, Sampling(1.0, 1.0, 0, 4))
+    assert model.training  # generation ran in eval mode and left the policy as it found it
+    other = HFRollout(model, tok, 512, torch.bfloat16)
+    assert other.model is not model and next(other.model.parameters()).dtype == torch.bfloat16
+    assert next(model.parameters()).dtype == torch.float32  # the policy was not cast
+    with torch.no_grad():
+        next(model.parameters()).add_(1.0)
+    other.sync(model)
+    assert torch.equal(next(other.model.parameters()), next(model.parameters()).to(torch.bfloat16))
+
+
+def test_token_stats_compute_only_the_columns_their_rows_use(tiny_config):
+    """The trainer's micro-batch forward is cut to its rows' longest prompt and response: the same log-probs and
+    entropies as on the whole padded batch, zeros past the cut; micro-batches group rows of similar length."""
+    from cegppo.algorithm.logprobs import sequence_token_stats
+    from cegppo.engine.trainer import Trainer
+
+    tr = Trainer(tiny_config("train.steps=1", "rollout.max_new_tokens=24", "train.micro_batch_size=3"))
+    exp, _ = tr.collect(step=1)
+    rb = exp.rollouts
+    prompt_len, response_len = rb.lengths
+    assert len(set(response_len)) > 1  # responses of different lengths: there is padding to cut
+    full = sequence_token_stats(tr.model, rb.input_ids, rb.attention_mask, rb.response_len, tr.cfg.rollout.temperature)
+    batches = tr.micro_batches(rb, torch.arange(len(response_len)))
+    assert sorted(torch.cat(batches).tolist()) == list(range(len(response_len)))
+    totals = [prompt_len[i] + response_len[i] for i in torch.cat(batches).tolist()]
+    assert totals == sorted(totals, reverse=True)  # longest first
+    for rows in batches:
+        lp, ent, _ = tr.token_stats(tr.model, rb, rows)
+        m = rb.response_mask[rows].bool()
+        torch.testing.assert_close(lp[m], full[0][rows][m], rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(ent[m], full[1][rows][m], rtol=1e-5, atol=1e-5)
+        keep = max(response_len[i] for i in rows.tolist())
+        assert not lp[:, keep:].any() and not ent[:, keep:].any()
+    tr.close()

@@ -269,3 +269,32 @@ def test_check_prompt_budget():
         check_prompt_budget(tok, [short, long], 60)
     with pytest.raises(ConfigError, match=r"--max-prompt-tokens=10 cuts the question of 2 prompt"):
         check_prompt_budget(tok, [short, long], 10, key="--max-prompt-tokens")
+
+
+def test_on_policy_mini_batch_needs_no_separate_old_log_prob_pass(tiny_config, tmp_path):
+    """The first mini-batch's old log-probs and entropy come from its own loss pass: the same update, old
+    log-probs and entropy as with a separate pass over every row."""
+    import copy
+
+    from cegppo.algorithm.diagnostics import MetricAccumulator
+
+    tr = Trainer(tiny_config("train.steps=1", "train.mini_batches=2", "train.micro_batch_size=5", "optim.lr=3e-3",
+                             "train.save_every=0"))
+    exp, _ = tr.collect(step=1)
+    first = torch.arange(len(exp.rewards)).tensor_split(2)[0]
+    start = copy.deepcopy(tr.model.state_dict())
+    results = []
+    for skip in (first[:0], first):
+        tr.model.load_state_dict(start)
+        tr.optimizer.state.clear()
+        tr.model.train()
+        e = copy.copy(exp)
+        entropy = tr.old_log_probs(e, skip=skip)
+        assert tr.update(e, first, MetricAccumulator(), 1, entropy if len(skip) else None)
+        params = torch.cat([p.detach().flatten() for p in tr.model.parameters()])
+        results.append((params, e.old_log_prob * e.mask, float(entropy[0] / entropy[1])))
+    (p_full, old_full, h_full), (p_lean, old_lean, h_lean) = results
+    torch.testing.assert_close(old_lean, old_full, rtol=1e-5, atol=1e-6)
+    assert h_lean == pytest.approx(h_full, rel=1e-5)
+    torch.testing.assert_close(p_lean, p_full, rtol=1e-5, atol=1e-6)
+    tr.close()

@@ -120,6 +120,7 @@ def set_lr(optimizer: torch.optim.Optimizer, scheduler: Any, lr: float) -> None:
 
 
 def build_rollout(cfg: Config, policy: torch.nn.Module, tokenizer: Any) -> HFRollout:
-    """The generation engine: HF ``generate`` on a copy of the policy in ``model.rollout_dtype``."""
+    """The generation engine: HF ``generate`` in ``model.rollout_dtype`` (on a copy of the policy if that is not
+    the policy's dtype, else on the policy itself)."""
     dtype = resolve_dtype(cfg.model.rollout_dtype, next(policy.parameters()).device.type)
     return HFRollout(policy, tokenizer, cfg.rollout.max_prompt_tokens, getattr(torch, dtype))

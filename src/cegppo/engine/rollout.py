@@ -2,15 +2,18 @@
 
 A backend implements :class:`RolloutEngine`: ``generate(prompts, n, sampling) -> RolloutBatch`` and
 ``sync(policy)`` (copy the trained weights in). :class:`HFRollout` uses Hugging Face ``generate`` with the
-KV cache on a separate copy of the policy (bf16 where bf16 is fast: a GPU, a CPU with native bf16; else fp32),
-the way vLLM is a separate engine in verl; the log-probs that enter the objective are recomputed by the
-trained policy, so the engine's precision only changes which samples are drawn.
+KV cache. Where the generation dtype differs from the policy's (bf16 where bf16 is fast: a GPU, a CPU with
+native bf16) it runs on a separate copy of the policy in that dtype, the way vLLM is a separate engine in verl;
+where it is the same (fp32 on AVX2-only CPUs) it runs on the policy itself: no second copy of the weights to hold
+or to sync. The log-probs that enter the objective are recomputed by the trained policy, so the engine's
+precision only changes which samples are drawn.
 """
 
 from __future__ import annotations
 
 from copy import deepcopy
 from dataclasses import dataclass
+from functools import cached_property
 from typing import Callable, Protocol
 
 import torch
@@ -57,6 +60,13 @@ class RolloutBatch:
             [t for p in parts for t in p.texts],
             torch.cat([p.truncated for p in parts]),
         )
+
+    @cached_property
+    def lengths(self) -> tuple[list[int], list[int]]:
+        """Per row: prompt tokens (without the left padding) and response tokens (through the first EOS), as
+        host integers, computed once."""
+        prompt = self.attention_mask[:, : self.input_ids.shape[1] - self.response_len].sum(-1)
+        return prompt.tolist(), self.response_mask.sum(-1).tolist()
 
     def select(self, rows: Tensor | list[int]) -> "RolloutBatch":
         idx = torch.as_tensor(rows, dtype=torch.long)
@@ -118,20 +128,25 @@ class _TokenCounter:
 
 
 class HFRollout:
-    """Hugging Face ``generate`` (KV cache, batched, left padding) on a copy of the policy (``copy=False``: on
-    the policy itself, cast in place, for callers that only generate, like ``cegppo eval``)."""
+    """Hugging Face ``generate`` (KV cache, batched, left padding) in ``dtype``. ``copy=None``: on a copy of the
+    policy when ``dtype`` differs from the policy's, else on the policy itself; ``copy=True``: always a copy;
+    ``copy=False``: the policy itself, cast in place (for callers that only generate, like ``cegppo eval``)."""
 
     def __init__(self, policy: torch.nn.Module, tokenizer, max_prompt_tokens: int = 512,
-                 dtype: torch.dtype = torch.bfloat16, max_batch: int = 64, copy: bool = True):
+                 dtype: torch.dtype = torch.bfloat16, max_batch: int = 64, copy: bool | None = None):
         self.tokenizer = tokenizer
         self.max_prompt_tokens = max_prompt_tokens
         self.max_batch = max_batch
         self.dtype = dtype
-        self.model = (deepcopy(policy) if copy else policy).to(dtype).eval()
+        if copy is None:
+            copy = any(p.dtype != dtype for p in policy.parameters())
+        self.model = (deepcopy(policy) if copy else policy).to(dtype)
         self.eos = eos_ids(tokenizer, policy)
 
     @torch.no_grad()
     def sync(self, policy: torch.nn.Module) -> None:
+        if policy is self.model:  # generating on the policy itself: nothing to copy
+            return
         for dst, src in zip(self.model.parameters(), policy.parameters()):
             dst.copy_(src.detach())
 
@@ -152,12 +167,15 @@ class HFRollout:
             kwargs.update(temperature=None, top_p=None, top_k=None)
         if on_token is not None:
             kwargs["streamer"] = _TokenCounter(on_token, sampling.max_new_tokens)
-        outs = []
-        for s in range(0, prompt_ids.shape[0], self.max_batch):
-            out = self.model.generate(
-                input_ids=prompt_ids[s : s + self.max_batch], attention_mask=prompt_mask[s : s + self.max_batch], **kwargs
-            )
-            outs.append(out[:, prompt_ids.shape[1] :])
+        outs, training = [], self.model.training
+        self.model.eval()  # the policy itself may be in training mode (dropout)
+        try:
+            for s in range(0, prompt_ids.shape[0], self.max_batch):
+                out = self.model.generate(input_ids=prompt_ids[s : s + self.max_batch],
+                                          attention_mask=prompt_mask[s : s + self.max_batch], **kwargs)
+                outs.append(out[:, prompt_ids.shape[1] :])
+        finally:
+            self.model.train(training)
         width = max(o.shape[1] for o in outs)
         pad = self.tokenizer.pad_token_id
         responses = torch.cat([torch.nn.functional.pad(o, (0, width - o.shape[1]), value=pad) for o in outs])

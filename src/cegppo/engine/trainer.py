@@ -123,14 +123,18 @@ class Trainer:
         acc, skipped = MetricAccumulator(), 0
         if exp is not None:
             self.model.train()
-            self.progress.phase("old log-probs")
-            metrics["entropy"] = self.old_log_probs(exp)  # the rollout policy's log-probs, entropy (and reference)
-            metrics.update(self.steer(metrics["entropy"]))  # entropy autopilot: this step's betas (off: nothing)
             mini_batches = torch.arange(len(exp.rewards)).tensor_split(cfg.train.mini_batches) * cfg.train.ppo_epochs
+            # the first mini-batch is still on-policy: its loss pass gives its old log-probs and entropy, so the
+            # separate pass covers only the rest (all of it when the autopilot needs the entropy before any update)
+            fresh = mini_batches[0] if cfg.train.ppo_epochs == 1 and self.controller is None else mini_batches[0][:0]
+            self.progress.phase("old log-probs")
+            entropy = self.old_log_probs(exp, skip=fresh)  # [entropy sum, tokens] of the rows it covered
+            metrics.update(self.steer(float(entropy[0] / entropy[1].clamp(min=1))))  # autopilot (off: nothing)
             for i, mb in enumerate(mini_batches, 1):  # one optimizer step per mini-batch; the later ones are off-policy
                 self.progress.phase(f"update {i}/{len(mini_batches)}")
                 if len(mb):
-                    skipped += not self.update(exp, mb, acc, step)
+                    skipped += not self.update(exp, mb, acc, step, entropy if i == 1 and len(fresh) else None)
+            metrics["entropy"] = float(entropy[0] / entropy[1].clamp(min=1))  # the rollout policy's, every response
             self.engine.sync(self.model)  # the weights changed: copy them into the rollout engine
         metrics["lr"] = self.optimizer.param_groups[0]["lr"]
         self.scheduler.step()  # once per training step, as the authors' LambdaLR
@@ -207,37 +211,60 @@ class Trainer:
                           *(torch.cat([getattr(e, f) for e in kept]) for f in ("rewards", "correct", "advantages"))), stats
 
     def token_stats(self, model: torch.nn.Module, rb: RolloutBatch, rows: Tensor, collision: bool = False):
-        """Per-token log-prob, entropy (and collision term) of ``rows`` under ``model``, at the sampling temperature."""
+        """Per-token log-prob, entropy (and collision term) of ``rows`` under ``model``, at the sampling temperature:
+        ``[len(rows), T]``. The forward pass sees only the columns these rows use (from their longest prompt to
+        their longest response); the response positions past that are zero."""
+        prompt_len, response_len = rb.lengths
+        width = rb.input_ids.shape[1] - rb.response_len  # the batch's prompt width (prompts are left-padded)
+        first = width - max(prompt_len[i] for i in rows.tolist())
+        keep = max(1, max(response_len[i] for i in rows.tolist()))
         with autocast(self.precision, model):
-            return sequence_token_stats(model, rb.input_ids[rows], rb.attention_mask[rows], rb.response_len,
-                                        self.cfg.rollout.temperature, collision, fused_head=self.cfg.model.fused_lm_head)
+            out = sequence_token_stats(model, rb.input_ids[rows, first : width + keep],
+                                       rb.attention_mask[rows, first : width + keep], keep,
+                                       self.cfg.rollout.temperature, collision, fused_head=self.cfg.model.fused_lm_head)
+        return tuple(x if x is None else torch.nn.functional.pad(x, (0, rb.response_len - keep)) for x in out)
+
+    def micro_batches(self, rb: RolloutBatch, rows: Tensor) -> list[Tensor]:
+        """``rows`` in micro-batches of similar length (longest first), so that little padding is computed on."""
+        prompt_len, response_len = rb.lengths
+        rows = sorted(rows.tolist(), key=lambda i: -(prompt_len[i] + response_len[i]))
+        return list(torch.tensor(rows, dtype=torch.long).split(self.cfg.train.micro_batch_size)) if rows else []
 
     @torch.no_grad()
-    def old_log_probs(self, exp: Experience) -> float:
-        """Fill ``exp.old_log_prob`` (and ``ref_log_prob``) in micro-batches; return the rollouts' mean entropy."""
-        lps, ents, refs = [], [], []
-        for i, rows in enumerate(torch.arange(len(exp.rewards)).split(self.cfg.train.micro_batch_size)):
-            self.progress.heartbeat(f"{i * self.cfg.train.micro_batch_size}/{len(exp.rewards)} sequences")
+    def old_log_probs(self, exp: Experience, skip: Tensor) -> Tensor:
+        """Fill ``exp.old_log_prob`` (and ``ref_log_prob``) in micro-batches, except for the rows ``skip`` (which
+        :meth:`update` fills on-policy); returns ``[sum of entropy, tokens]`` over the rows it covered."""
+        B, T = exp.rollouts.response_mask.shape
+        skipped = set(skip.tolist())
+        todo = torch.tensor([i for i in range(B) if i not in skipped], dtype=torch.long)
+        exp.old_log_prob, entropy = torch.zeros(B, T), torch.zeros(2)
+        for i, rows in enumerate(self.micro_batches(exp.rollouts, todo)):
+            self.progress.heartbeat(f"{i * self.cfg.train.micro_batch_size}/{len(todo)} sequences")
             lp, ent, _ = self.token_stats(self.model, exp.rollouts, rows)
-            lps.append(lp)
-            ents.append(ent)
-            if self.ref_model is not None:
-                refs.append(self.token_stats(self.ref_model, exp.rollouts, rows)[0])
-        exp.old_log_prob = torch.cat(lps)
-        exp.ref_log_prob = torch.cat(refs) if refs else None
-        return float((torch.cat(ents) * exp.mask).sum() / exp.mask.sum().clamp(min=1))
+            exp.old_log_prob[rows] = lp
+            entropy += torch.stack([(ent * exp.mask[rows]).sum(), exp.mask[rows].sum()])
+        exp.ref_log_prob = None if self.ref_model is None else torch.zeros(B, T)
+        for rows in self.micro_batches(exp.rollouts, torch.arange(B)) if self.ref_model is not None else []:
+            exp.ref_log_prob[rows] = self.token_stats(self.ref_model, exp.rollouts, rows)[0]
+        return entropy
 
-    def update(self, exp: Experience, mb: Tensor, acc: MetricAccumulator, step: int) -> bool:
+    def update(self, exp: Experience, mb: Tensor, acc: MetricAccumulator, step: int,
+               on_policy_entropy: Tensor | None = None) -> bool:
         """One optimizer step on mini-batch ``mb``, accumulated over micro-batches (exact global token-mean);
-        skipped, weights kept, when the loss or the gradient is not finite. Returns whether it was applied."""
+        skipped, weights kept, when the loss or the gradient is not finite. Returns whether it was applied.
+        ``on_policy_entropy`` given: ``mb`` is on-policy and has no old log-probs yet; they are this pass's own,
+        and its ``[entropy sum, tokens]`` are added to that tensor."""
         a, mask = self.cfg.algorithm, exp.mask
         n_tok = mask[mb].sum().clamp(min=1)
         n_correct_tok = (mask[mb] * exp.correct[mb, None]).sum().clamp(min=1)
         self.optimizer.zero_grad(set_to_none=True)
         finite_loss = torch.tensor(True)
-        for i, rows in enumerate(mb.split(self.cfg.train.micro_batch_size)):
+        for i, rows in enumerate(self.micro_batches(exp.rollouts, mb)):
             self.progress.heartbeat(f"{i * self.cfg.train.micro_batch_size}/{len(mb)} sequences")
             lp, ent, col = self.token_stats(self.model, exp.rollouts, rows, collision=True)
+            if on_policy_entropy is not None:  # the policy that generated: ratio exactly 1
+                exp.old_log_prob[rows] = lp.detach()
+                on_policy_entropy += torch.stack([(ent.detach() * mask[rows]).sum(), mask[rows].sum()])
             loss, m = policy_loss(
                 self.objective, lp, exp.old_log_prob[rows], exp.advantages[rows], mask[rows], agg=a.agg,
                 num_tokens=n_tok, num_seqs=len(mb), entropy=ent, collision=col, entropy_coeff=a.entropy_coeff,

@@ -1,0 +1,326 @@
+"""A whole RL step, cegppo's trainer against TRL's GRPOTrainer (through our CEGPPOTrainer), on identical work.
+
+    python benchmarks/step_throughput.py            # SmolLM2-135M, 2 interleaved rounds x (1 warm-up + 2 timed steps)
+    python benchmarks/step_throughput.py --quick    # tiny model, 1 round: checks the pipeline, measures nothing
+    python benchmarks/step_throughput.py --from-json benchmarks/results/step_throughput.json   # report only
+
+The work of one step, the same for both systems: the same weights (the bundled SmolLM2-135M-Instruct), the same
+8 prompts per step in the same order (our arithmetic task; cegppo's seeded data order, replayed into TRL with
+its shuffling off), the same chat template, 8 samples per prompt at temperature 1 (<= 64 new tokens, HF
+``generate``), the same reward (math-strict), the ce_gppo objective (0.75, 1; eps 0.2), 2 optimizer steps per
+generation in micro-batches of 16 (TRL: ``per_device_train_batch_size=16, gradient_accumulation_steps=2,
+steps_per_generation=4``), AdamW at lr 1e-6, fp32 weights and matmuls (bf16 is emulated on AVX2-only CPUs), no
+reference model, torch's default threads.
+
+Each system runs in its own process (so its peak RSS is its own), the systems alternate, and the first step of
+every process is a warm-up that is not counted. Per system: seconds per step; generated and trained tokens per
+second (trained = response tokens that entered the loss); the split into generation, old log-probs and updates;
+peak RSS; and the ratios cegppo / TRL. The mean response lengths are printed side by side: both systems did the
+same work only if they are close. Writes ``step_throughput.{json,md}`` (with the git commit and the command).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+RESULTS = ROOT / "benchmarks" / "results"
+SYSTEMS = ("cegppo", "trl")
+
+
+def settings(args) -> dict:
+    if args.quick:
+        return dict(model="tiny", prompts=2, n=4, max_new_tokens=16, mini_batches=2, micro_batch=4, warmup=1,
+                    steps=1, rounds=1, lr=1e-6, temperature=1.0, beta1=0.75, beta2=1.0, eps=0.2, seed=0)
+    return dict(model=args.model, prompts=8, n=8, max_new_tokens=64, mini_batches=2, micro_batch=16, warmup=1,
+                steps=args.steps, rounds=args.rounds, lr=1e-6, temperature=1.0, beta1=0.75, beta2=1.0, eps=0.2, seed=0)
+
+
+def peak_rss_gib() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # Linux: KiB
+
+
+def problems_in_order(s: dict) -> list:
+    """The problems cegppo's trainer takes, step by step, for this seed (so TRL can be fed the same ones)."""
+    from cegppo.config import load_config
+    from cegppo.engine.components import DataOrder, load_splits
+
+    cfg = load_config(None, [f"train.seed={s['seed']}"])
+    train, _ = load_splits(cfg)
+    return DataOrder(train, s["seed"]).take(0, s["prompts"] * (s["warmup"] + s["steps"]))
+
+
+# ---------------------------------------------------------------------------------------------------------
+# workers: one system, one process; print one JSON line
+# ---------------------------------------------------------------------------------------------------------
+
+
+def cegppo_worker(s: dict, workdir: Path) -> dict:
+    from cegppo.config import load_config
+    from cegppo.engine.trainer import Trainer
+
+    cfg = load_config(None, [
+        f"output_dir={workdir / 'cegppo'}", f"model.name={s['model']}", "model.precision=auto",
+        "model.rollout_dtype=auto", f"rollout.n={s['n']}", f"rollout.temperature={s['temperature']}",
+        f"rollout.max_new_tokens={s['max_new_tokens']}", "reward.fn=math-strict", "algorithm.objective=ce_gppo",
+        "algorithm.hparams=" + json.dumps(dict(beta1=s["beta1"], beta2=s["beta2"], eps_low=s["eps"], eps_high=s["eps"])),
+        f"optim.lr={s['lr']}", "optim.warmup_steps=0", f"train.prompts_per_step={s['prompts']}",
+        f"train.mini_batches={s['mini_batches']}", f"train.micro_batch_size={s['micro_batch']}",
+        f"train.steps={s['warmup'] + s['steps']}", "train.save_every=0", f"train.seed={s['seed']}",
+        "logging.progress=false"])
+    tr = Trainer(cfg, overwrite=True)
+    clock = {"collect": 0.0, "update": 0.0, "trained": 0.0}
+
+    def timed(name, fn, count=None):
+        def wrapper(*a, **kw):
+            t0 = time.perf_counter()
+            out = fn(*a, **kw)
+            clock[name] += time.perf_counter() - t0
+            if count is not None:
+                clock["trained"] += count(*a)
+            return out
+        return wrapper
+
+    tr.collect = timed("collect", tr.collect)
+    tr.update = timed("update", tr.update, count=lambda exp, mb, *_: float(exp.mask[mb].sum()))
+    steps = []
+    for _ in range(s["warmup"] + s["steps"]):
+        clock.update(collect=0.0, update=0.0, trained=0.0)
+        row = tr.step()
+        total = row["time/step_s"]
+        steps.append(dict(step_s=total, generate_s=clock["collect"], update_s=clock["update"],
+                          old_logp_s=total - clock["collect"] - clock["update"],
+                          generated_tokens=tr.generated_tokens(row), trained_tokens=clock["trained"],
+                          mean_response_length=row["response_length/mean"]))
+    tr.close()
+    return dict(system="cegppo", steps=steps, peak_rss_gib=peak_rss_gib())
+
+
+def trl_worker(s: dict, workdir: Path) -> dict:
+    import torch
+    from datasets import Dataset
+    from transformers import TrainerCallback
+
+    from cegppo.engine.components import build_reward
+    from cegppo.engine.models import preset_path
+    from cegppo.integrations.trl import CEGPPOConfig, CEGPPOTrainer
+
+    problems = problems_in_order(s)
+    reward = build_reward("math-strict")
+    answers = {p.messages[-1]["content"]: p.answer for p in problems}
+
+    def math_strict(prompts, completions, **_):
+        texts = [c[0]["content"] for c in completions]
+        return reward(texts, [answers[p[-1]["content"]] for p in prompts]).scores
+
+    clock = {"generate": 0.0, "old_logp": 0.0, "trained": 0.0, "generated": 0.0, "lengths": []}
+
+    class Timed(CEGPPOTrainer):
+        def _generate_and_score_completions(self, inputs):
+            t0 = time.perf_counter()
+            out = super()._generate_and_score_completions(inputs)
+            clock["generate"] += time.perf_counter() - t0
+            tokens = float(out["completion_mask"].sum())
+            clock["trained"] += tokens
+            clock["generated"] += tokens
+            clock["lengths"].append(tokens / out["completion_mask"].shape[0])
+            return out
+
+        def _get_per_token_logps_and_entropies(self, *a, **kw):
+            if torch.is_grad_enabled():  # the loss pass
+                return super()._get_per_token_logps_and_entropies(*a, **kw)
+            t0 = time.perf_counter()  # the old-log-prob pass inside generation: counted apart from generating
+            out = super()._get_per_token_logps_and_entropies(*a, **kw)
+            clock["old_logp"] += time.perf_counter() - t0
+            clock["generate"] -= time.perf_counter() - t0
+            return out
+
+    per_cycle = s["mini_batches"]  # optimizer steps per generation
+    marks: list[float] = []
+
+    class Clock(TrainerCallback):
+        def on_step_begin(self, args, state, control, **kw):
+            if not marks:
+                marks.append(time.perf_counter())
+
+        def on_step_end(self, args, state, control, **kw):
+            if state.global_step % per_cycle == 0:
+                marks.append(time.perf_counter())
+                snapshots.append(dict(clock, lengths=list(clock["lengths"])))
+
+    snapshots: list[dict] = []
+    ds = Dataset.from_dict({"prompt": [p.messages for p in problems]})
+    args = CEGPPOConfig(
+        output_dir=str(workdir / "trl"), per_device_train_batch_size=s["micro_batch"],
+        gradient_accumulation_steps=s["prompts"] * s["n"] // s["micro_batch"] // s["mini_batches"],
+        steps_per_generation=s["prompts"] * s["n"] // s["micro_batch"], num_generations=s["n"],
+        max_completion_length=s["max_new_tokens"], temperature=s["temperature"], top_p=1.0,
+        max_steps=per_cycle * (s["warmup"] + s["steps"]), learning_rate=s["lr"], lr_scheduler_type="constant",
+        weight_decay=0.1, max_grad_norm=1.0, beta=0.0, epsilon=s["eps"], beta1=s["beta1"], beta2=s["beta2"],
+        objective="ce_gppo", shuffle_dataset=False, use_cpu=True, bf16=False, report_to="none",
+        save_strategy="no", logging_steps=1, seed=s["seed"], disable_tqdm=True,
+        model_init_kwargs={"dtype": torch.float32})
+    trainer = Timed(model=str(preset_path(s["model"])), reward_funcs=[math_strict], args=args, train_dataset=ds,
+                    callbacks=[Clock()])
+    trainer.train()
+    steps, prev = [], dict(generate=0.0, old_logp=0.0, trained=0.0, generated=0.0, lengths=[])
+    for i, snap in enumerate(snapshots):
+        total = marks[i + 1] - marks[i]
+        gen, old = snap["generate"] - prev["generate"], snap["old_logp"] - prev["old_logp"]
+        trained = snap["trained"] - prev["trained"]
+        lengths = snap["lengths"][len(prev["lengths"]):]
+        steps.append(dict(step_s=total, generate_s=gen, old_logp_s=old, update_s=total - gen - old,
+                          generated_tokens=snap["generated"] - prev["generated"], trained_tokens=trained,
+                          mean_response_length=sum(lengths) / max(len(lengths), 1)))
+        prev = snap
+    return dict(system="trl", steps=steps, peak_rss_gib=peak_rss_gib())
+
+
+# ---------------------------------------------------------------------------------------------------------
+# driver
+# ---------------------------------------------------------------------------------------------------------
+
+
+def run_worker(system: str, s: dict) -> dict:
+    with tempfile.TemporaryDirectory(prefix=f"step_{system}_") as tmp:
+        cmd = [sys.executable, __file__, "--worker", system, "--settings", json.dumps(s), "--workdir", tmp]
+        proc = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "TQDM_DISABLE": "1"})
+    if proc.returncode != 0:
+        sys.exit(f"{system} worker failed (exit {proc.returncode}):\n{proc.stderr[-4000:]}")
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def summarize(runs: list[dict], warmup: int) -> dict:
+    out = {}
+    for system in SYSTEMS:
+        timed = [st for r in runs if r["system"] == system for st in r["steps"][warmup:]]
+        if not timed:
+            continue
+        total = sum(st["step_s"] for st in timed)
+        row = {k: statistics.fmean(st[k] for st in timed) for k in timed[0]}
+        row.update(steps_timed=len(timed), generated_tok_s=sum(st["generated_tokens"] for st in timed) / total,
+                   trained_tok_s=sum(st["trained_tokens"] for st in timed) / total,
+                   generate_tok_s=sum(st["generated_tokens"] for st in timed) / sum(st["generate_s"] for st in timed),
+                   peak_rss_gib=max(r["peak_rss_gib"] for r in runs if r["system"] == system))
+        out[system] = row
+    if len(out) == 2:
+        c, t = out["cegppo"], out["trl"]
+        out["ratios"] = dict(trained_tok_s=c["trained_tok_s"] / t["trained_tok_s"],
+                             step_s=c["step_s"] / t["step_s"], peak_rss=c["peak_rss_gib"] / t["peak_rss_gib"],
+                             generate_tok_s=c["generate_tok_s"] / t["generate_tok_s"],
+                             mean_response_length=c["mean_response_length"] / t["mean_response_length"])
+    return out
+
+
+def report(result: dict) -> str:
+    s, summ = result["settings"], result["summary"]
+    lines = ["# One RL step: cegppo vs TRL on identical work", "",
+             f"Generated by `{result['command']}` at git commit `{result['commit']}` (torch {result['torch']}, "
+             f"{result['threads']} threads, load average before the run {result['load_before']:.2f}); "
+             f"{result['wall_s'] / 60:.1f} min. Do not edit by hand; `--from-json` regenerates it.", "",
+             f"Work per step: {s['model']}, {s['prompts']} prompts x {s['n']} samples (<= {s['max_new_tokens']} new "
+             f"tokens, temperature {s['temperature']}), ce_gppo({s['beta1']}, {s['beta2']}), {s['mini_batches']} "
+             f"optimizer steps per generation in micro-batches of {s['micro_batch']}, fp32. {s['rounds']} interleaved "
+             f"rounds per system, each a fresh process: {s['warmup']} warm-up step (not counted) + {s['steps']} timed.",
+             "", "| | seconds / step | generate | old log-probs | updates | generated tok/s (generate phase) | "
+             "trained tok/s | mean response length | peak RSS |", "|---|---|---|---|---|---|---|---|---|"]
+    for system in SYSTEMS:
+        if system in summ:
+            r = summ[system]
+            lines.append(f"| {system} | {r['step_s']:.1f} | {r['generate_s']:.1f} s | {r['old_logp_s']:.1f} s | "
+                         f"{r['update_s']:.1f} s | {r['generate_tok_s']:.0f} | {r['trained_tok_s']:.1f} | "
+                         f"{r['mean_response_length']:.1f} | {r['peak_rss_gib']:.2f} GiB |")
+    if "ratios" in summ:
+        q = summ["ratios"]
+        lines += ["", f"**cegppo / TRL:** trained tokens per second **{q['trained_tok_s']:.2f}x**, seconds per step "
+                  f"{q['step_s']:.2f}x, peak RSS **{q['peak_rss']:.2f}x**, generation tokens per second "
+                  f"{q['generate_tok_s']:.2f}x; mean response length {q['mean_response_length']:.2f}x (same work "
+                  "when close to 1).", "",
+                  f"Goal of issue 14 (>= 1.5x TRL's trained tokens per second at <= 0.6x its peak memory): "
+                  f"{'MET' if q['trained_tok_s'] >= 1.5 and q['peak_rss'] <= 0.6 else 'NOT MET'}."]
+    lines += ["", "TRL's generation time excludes its old-log-prob pass, which runs inside its generation call and "
+              "is timed apart. Per-process rows are in the JSON.", ""]
+    return "\n".join(lines)
+
+
+def git_commit() -> str:
+    try:
+        sha = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True,
+                             check=True).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=ROOT,
+                               capture_output=True, text=True).stdout.strip()
+        return sha + ("-dirty" if dirty else "")
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default="smollm2-135m-instruct")
+    ap.add_argument("--rounds", type=int, default=2, help="interleaved processes per system")
+    ap.add_argument("--steps", type=int, default=2, help="timed steps per process (after one warm-up step)")
+    ap.add_argument("--only", choices=SYSTEMS, help="run one system (its figures, no ratios)")
+    ap.add_argument("--quick", action="store_true", help="tiny model, 1 round: a smoke test, not a result")
+    ap.add_argument("--out", type=Path, help=f"results directory (default {RESULTS}; --quick: runs/step_throughput_quick)")
+    ap.add_argument("--from-json", type=Path, help="regenerate the report from a saved result")
+    ap.add_argument("--worker", choices=SYSTEMS, help=argparse.SUPPRESS)
+    ap.add_argument("--settings", help=argparse.SUPPRESS)
+    ap.add_argument("--workdir", type=Path, help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.worker:
+        import logging
+        import warnings
+
+        logging.disable(logging.WARNING)
+        warnings.filterwarnings("ignore")
+        worker = cegppo_worker if args.worker == "cegppo" else trl_worker
+        print(json.dumps(worker(json.loads(args.settings), args.workdir)))
+        return
+    if args.from_json:
+        result = json.loads(args.from_json.read_text())
+        out = args.out or args.from_json.parent
+        return _write(result, out)
+    import torch
+
+    s = settings(args)
+    systems = [args.only] if args.only else list(SYSTEMS)
+    load_before, t0, runs = os.getloadavg()[0], time.perf_counter(), []
+    for rnd in range(s["rounds"]):
+        for system in systems if rnd % 2 == 0 else systems[::-1]:  # alternate who goes first
+            r = run_worker(system, s)
+            r["round"] = rnd
+            runs.append(r)
+            timed = r["steps"][s["warmup"]:]
+            print(f"round {rnd} {system:<7} " + ", ".join(
+                f"{st['step_s']:.1f} s ({st['trained_tokens'] / st['step_s']:.1f} trained tok/s, len "
+                f"{st['mean_response_length']:.1f})" for st in timed) + f"; peak RSS {r['peak_rss_gib']:.2f} GiB",
+                flush=True)
+    result = dict(command="python benchmarks/step_throughput.py " + " ".join(sys.argv[1:]), commit=git_commit(),
+                  torch=torch.__version__, threads=torch.get_num_threads(), load_before=load_before,
+                  wall_s=time.perf_counter() - t0, settings=s, runs=runs)
+    out = args.out or (ROOT / "runs" / "step_throughput_quick" if args.quick else RESULTS)
+    _write(result, out)
+
+
+def _write(result: dict, out: Path) -> None:
+    from cegppo.io import atomic_write_json, atomic_write_text
+
+    result["summary"] = summarize(result["runs"], result["settings"]["warmup"])
+    out.mkdir(parents=True, exist_ok=True)
+    atomic_write_json(out / "step_throughput.json", result)
+    text = report(result)
+    atomic_write_text(out / "step_throughput.md", text)
+    print(text)
+
+
+if __name__ == "__main__":
+    main()
