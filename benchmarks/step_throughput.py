@@ -3,6 +3,8 @@
     python benchmarks/step_throughput.py            # SmolLM2-135M, 2 interleaved rounds x (1 warm-up + 2 timed steps)
     python benchmarks/step_throughput.py --quick    # tiny model, 1 round: checks the pipeline, measures nothing
     python benchmarks/step_throughput.py --from-json benchmarks/results/step_throughput.json   # report only
+    python benchmarks/step_throughput.py --variant unfused=model.fused_lm_head=false --baseline 8f9ffce
+        # also cegppo with config overrides, and cegppo's trainer at an earlier git revision (each change measured)
 
 The work of one step, the same for both systems: the same weights (the bundled SmolLM2-135M-Instruct), the same
 8 prompts per step in the same order (our arithmetic task; cegppo's seeded data order, replayed into TRL with
@@ -25,6 +27,7 @@ import argparse
 import json
 import os
 import resource
+import shlex
 import statistics
 import subprocess
 import sys
@@ -34,7 +37,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results"
-SYSTEMS = ("cegppo", "trl")
+SYSTEMS = ("cegppo", "trl")  # the kinds of worker
 
 
 def settings(args) -> dict:
@@ -64,7 +67,7 @@ def problems_in_order(s: dict) -> list:
 # ---------------------------------------------------------------------------------------------------------
 
 
-def cegppo_worker(s: dict, workdir: Path) -> dict:
+def cegppo_worker(s: dict, workdir: Path, overrides: list[str]) -> dict:
     from cegppo.config import load_config
     from cegppo.engine.trainer import Trainer
 
@@ -76,7 +79,7 @@ def cegppo_worker(s: dict, workdir: Path) -> dict:
         f"optim.lr={s['lr']}", "optim.warmup_steps=0", f"train.prompts_per_step={s['prompts']}",
         f"train.mini_batches={s['mini_batches']}", f"train.micro_batch_size={s['micro_batch']}",
         f"train.steps={s['warmup'] + s['steps']}", "train.save_every=0", f"train.seed={s['seed']}",
-        "logging.progress=false"])
+        "logging.progress=false", *overrides])
     tr = Trainer(cfg, overwrite=True)
     clock = {"collect": 0.0, "update": 0.0, "trained": 0.0}
 
@@ -102,10 +105,10 @@ def cegppo_worker(s: dict, workdir: Path) -> dict:
                           generated_tokens=tr.generated_tokens(row), trained_tokens=clock["trained"],
                           mean_response_length=row["response_length/mean"]))
     tr.close()
-    return dict(system="cegppo", steps=steps, peak_rss_gib=peak_rss_gib())
+    return dict(steps=steps, peak_rss_gib=peak_rss_gib())
 
 
-def trl_worker(s: dict, workdir: Path) -> dict:
+def trl_worker(s: dict, workdir: Path, overrides: list[str]) -> dict:
     import torch
     from datasets import Dataset
     from transformers import TrainerCallback
@@ -182,7 +185,7 @@ def trl_worker(s: dict, workdir: Path) -> dict:
                           generated_tokens=snap["generated"] - prev["generated"], trained_tokens=trained,
                           mean_response_length=sum(lengths) / max(len(lengths), 1)))
         prev = snap
-    return dict(system="trl", steps=steps, peak_rss_gib=peak_rss_gib())
+    return dict(steps=steps, peak_rss_gib=peak_rss_gib())
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -190,21 +193,42 @@ def trl_worker(s: dict, workdir: Path) -> dict:
 # ---------------------------------------------------------------------------------------------------------
 
 
-def run_worker(system: str, s: dict) -> dict:
-    with tempfile.TemporaryDirectory(prefix=f"step_{system}_") as tmp:
-        cmd = [sys.executable, __file__, "--worker", system, "--settings", json.dumps(s), "--workdir", tmp]
-        proc = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "TQDM_DISABLE": "1"})
+def systems(args) -> list[dict]:
+    """What is measured: cegppo (as configured by default), TRL, and the optional variants and baseline."""
+    out = [dict(label="cegppo", kind="cegppo", overrides=[], rev=None), dict(label="trl", kind="trl", overrides=[], rev=None)]
+    for v in args.variant or []:
+        name, _, overrides = v.partition("=")
+        out.append(dict(label=f"cegppo[{name}]", kind="cegppo", overrides=overrides.split(), rev=None))
+    if args.baseline:
+        out.append(dict(label=f"cegppo@{args.baseline}", kind="cegppo", overrides=[], rev=args.baseline))
+    return [x for x in out if not args.only or x["label"] in args.only]
+
+
+def run_worker(system: dict, s: dict) -> dict:
+    """One process of ``system``: ``rev`` set, the cegppo package of that git revision (a temporary worktree)."""
+    env = {**os.environ, "TQDM_DISABLE": "1"}
+    with tempfile.TemporaryDirectory(prefix="step_") as tmp:
+        if system["rev"]:
+            tree = Path(tmp) / "tree"
+            subprocess.run(["git", "worktree", "add", "--detach", str(tree), system["rev"]], cwd=ROOT, check=True,
+                           capture_output=True)
+            env["PYTHONPATH"] = str(tree / "src")
+        cmd = [sys.executable, __file__, "--worker", system["kind"], "--settings", json.dumps(s), "--workdir", tmp,
+               "--overrides", json.dumps(system["overrides"])]
+        try:
+            proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
+        finally:
+            if system["rev"]:
+                subprocess.run(["git", "worktree", "remove", "--force", str(tree)], cwd=ROOT, capture_output=True)
     if proc.returncode != 0:
-        sys.exit(f"{system} worker failed (exit {proc.returncode}):\n{proc.stderr[-4000:]}")
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+        sys.exit(f"{system['label']} worker failed (exit {proc.returncode}):\n{proc.stderr[-4000:]}")
+    return {**json.loads(proc.stdout.strip().splitlines()[-1]), "system": system["label"]}
 
 
 def summarize(runs: list[dict], warmup: int) -> dict:
     out = {}
-    for system in SYSTEMS:
+    for system in dict.fromkeys(r["system"] for r in runs):
         timed = [st for r in runs if r["system"] == system for st in r["steps"][warmup:]]
-        if not timed:
-            continue
         total = sum(st["step_s"] for st in timed)
         row = {k: statistics.fmean(st[k] for st in timed) for k in timed[0]}
         row.update(steps_timed=len(timed), generated_tok_s=sum(st["generated_tokens"] for st in timed) / total,
@@ -212,12 +236,14 @@ def summarize(runs: list[dict], warmup: int) -> dict:
                    generate_tok_s=sum(st["generated_tokens"] for st in timed) / sum(st["generate_s"] for st in timed),
                    peak_rss_gib=max(r["peak_rss_gib"] for r in runs if r["system"] == system))
         out[system] = row
-    if len(out) == 2:
-        c, t = out["cegppo"], out["trl"]
-        out["ratios"] = dict(trained_tok_s=c["trained_tok_s"] / t["trained_tok_s"],
-                             step_s=c["step_s"] / t["step_s"], peak_rss=c["peak_rss_gib"] / t["peak_rss_gib"],
-                             generate_tok_s=c["generate_tok_s"] / t["generate_tok_s"],
-                             mean_response_length=c["mean_response_length"] / t["mean_response_length"])
+    if "trl" in out:
+        t = out["trl"]
+        for system, c in out.items():
+            if system != "trl":
+                c["vs_trl"] = dict(trained_tok_s=c["trained_tok_s"] / t["trained_tok_s"],
+                                   step_s=c["step_s"] / t["step_s"], peak_rss=c["peak_rss_gib"] / t["peak_rss_gib"],
+                                   generate_tok_s=c["generate_tok_s"] / t["generate_tok_s"],
+                                   mean_response_length=c["mean_response_length"] / t["mean_response_length"])
     return out
 
 
@@ -233,20 +259,25 @@ def report(result: dict) -> str:
              f"rounds per system, each a fresh process: {s['warmup']} warm-up step (not counted) + {s['steps']} timed.",
              "", "| | seconds / step | generate | old log-probs | updates | generated tok/s (generate phase) | "
              "trained tok/s | mean response length | peak RSS |", "|---|---|---|---|---|---|---|---|---|"]
-    for system in SYSTEMS:
-        if system in summ:
-            r = summ[system]
-            lines.append(f"| {system} | {r['step_s']:.1f} | {r['generate_s']:.1f} s | {r['old_logp_s']:.1f} s | "
-                         f"{r['update_s']:.1f} s | {r['generate_tok_s']:.0f} | {r['trained_tok_s']:.1f} | "
-                         f"{r['mean_response_length']:.1f} | {r['peak_rss_gib']:.2f} GiB |")
-    if "ratios" in summ:
-        q = summ["ratios"]
-        lines += ["", f"**cegppo / TRL:** trained tokens per second **{q['trained_tok_s']:.2f}x**, seconds per step "
-                  f"{q['step_s']:.2f}x, peak RSS **{q['peak_rss']:.2f}x**, generation tokens per second "
-                  f"{q['generate_tok_s']:.2f}x; mean response length {q['mean_response_length']:.2f}x (same work "
-                  "when close to 1).", "",
-                  f"Goal of issue 14 (>= 1.5x TRL's trained tokens per second at <= 0.6x its peak memory): "
+    for system, r in summ.items():
+        lines.append(f"| {system} | {r['step_s']:.1f} | {r['generate_s']:.1f} s | {r['old_logp_s']:.1f} s | "
+                     f"{r['update_s']:.1f} s | {r['generate_tok_s']:.0f} | {r['trained_tok_s']:.1f} | "
+                     f"{r['mean_response_length']:.1f} | {r['peak_rss_gib']:.2f} GiB |")
+    ratios = {k: r["vs_trl"] for k, r in summ.items() if "vs_trl" in r}
+    if ratios:
+        lines += ["", "| against TRL | trained tok/s | seconds / step | peak RSS | generation tok/s | mean response "
+                  "length (same work: close to 1) |", "|---|---|---|---|---|---|"]
+        lines += [f"| {k} | **{q['trained_tok_s']:.2f}x** | {q['step_s']:.2f}x | **{q['peak_rss']:.2f}x** | "
+                  f"{q['generate_tok_s']:.2f}x | {q['mean_response_length']:.2f}x |" for k, q in ratios.items()]
+    if "cegppo" in ratios:
+        q = ratios["cegppo"]
+        lines += ["", f"Goal of issue 14 (>= 1.5x TRL's trained tokens per second at <= 0.6x its peak memory): "
                   f"{'MET' if q['trained_tok_s'] >= 1.5 and q['peak_rss'] <= 0.6 else 'NOT MET'}."]
+    variants = [x for x in result.get("systems", []) if x["label"] not in ("cegppo", "trl")]
+    if variants:
+        lines += ["", "Variants: " + "; ".join(
+            f"`{x['label']}` = " + (f"the trainer at git revision {x['rev']}" if x["rev"] else
+                                    "cegppo with " + " ".join(f"`{o}`" for o in x["overrides"])) for x in variants) + "."]
     lines += ["", "TRL's generation time excludes its old-log-prob pass, which runs inside its generation call and "
               "is timed apart. Per-process rows are in the JSON.", ""]
     return "\n".join(lines)
@@ -268,13 +299,17 @@ def main() -> None:
     ap.add_argument("--model", default="smollm2-135m-instruct")
     ap.add_argument("--rounds", type=int, default=2, help="interleaved processes per system")
     ap.add_argument("--steps", type=int, default=2, help="timed steps per process (after one warm-up step)")
-    ap.add_argument("--only", choices=SYSTEMS, help="run one system (its figures, no ratios)")
+    ap.add_argument("--variant", action="append", metavar="NAME=OVERRIDES",
+                    help="also measure cegppo with these config overrides, e.g. 'unfused=model.fused_lm_head=false'")
+    ap.add_argument("--baseline", metavar="REV", help="also measure cegppo's trainer at this git revision")
+    ap.add_argument("--only", nargs="+", metavar="LABEL", help="measure only these systems (e.g. cegppo trl)")
     ap.add_argument("--quick", action="store_true", help="tiny model, 1 round: a smoke test, not a result")
     ap.add_argument("--out", type=Path, help=f"results directory (default {RESULTS}; --quick: runs/step_throughput_quick)")
     ap.add_argument("--from-json", type=Path, help="regenerate the report from a saved result")
     ap.add_argument("--worker", choices=SYSTEMS, help=argparse.SUPPRESS)
     ap.add_argument("--settings", help=argparse.SUPPRESS)
     ap.add_argument("--workdir", type=Path, help=argparse.SUPPRESS)
+    ap.add_argument("--overrides", default="[]", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.worker:
         import logging
@@ -283,7 +318,7 @@ def main() -> None:
         logging.disable(logging.WARNING)
         warnings.filterwarnings("ignore")
         worker = cegppo_worker if args.worker == "cegppo" else trl_worker
-        print(json.dumps(worker(json.loads(args.settings), args.workdir)))
+        print(json.dumps(worker(json.loads(args.settings), args.workdir, json.loads(args.overrides))))
         return
     if args.from_json:
         result = json.loads(args.from_json.read_text())
@@ -292,21 +327,21 @@ def main() -> None:
     import torch
 
     s = settings(args)
-    systems = [args.only] if args.only else list(SYSTEMS)
-    load_before, t0, runs = os.getloadavg()[0], time.perf_counter(), []
+    measured = systems(args)
+    load_before, t0, runs, commit = os.getloadavg()[0], time.perf_counter(), [], git_commit()
     for rnd in range(s["rounds"]):
-        for system in systems if rnd % 2 == 0 else systems[::-1]:  # alternate who goes first
+        for system in measured if rnd % 2 == 0 else measured[::-1]:  # alternate who goes first
             r = run_worker(system, s)
             r["round"] = rnd
             runs.append(r)
             timed = r["steps"][s["warmup"]:]
-            print(f"round {rnd} {system:<7} " + ", ".join(
+            print(f"round {rnd} {system['label']:<14} " + ", ".join(
                 f"{st['step_s']:.1f} s ({st['trained_tokens'] / st['step_s']:.1f} trained tok/s, len "
                 f"{st['mean_response_length']:.1f})" for st in timed) + f"; peak RSS {r['peak_rss_gib']:.2f} GiB",
                 flush=True)
-    result = dict(command="python benchmarks/step_throughput.py " + " ".join(sys.argv[1:]), commit=git_commit(),
+    result = dict(command="python benchmarks/step_throughput.py " + shlex.join(sys.argv[1:]), commit=commit,
                   torch=torch.__version__, threads=torch.get_num_threads(), load_before=load_before,
-                  wall_s=time.perf_counter() - t0, settings=s, runs=runs)
+                  wall_s=time.perf_counter() - t0, settings=s, systems=measured, runs=runs)
     out = args.out or (ROOT / "runs" / "step_throughput_quick" if args.quick else RESULTS)
     _write(result, out)
 

@@ -224,3 +224,11 @@ def test_trainer_step_with_fused_lm_head_matches(tiny_config, tmp_path):
         rows[fused] = Trainer(cfg).train()[0]
     for k in ("reward/mean", "entropy", "pg_loss", "grad_norm", "ppo_kl"):
         assert rows[True][k] == pytest.approx(rows[False][k], rel=1e-4, abs=1e-6), k
+
+
+def test_fused_head_auto_is_on_only_for_plain_lm_heads(tiny_model, monkeypatch):
+    from cegppo.algorithm.logprobs import fused_head_supported
+
+    assert fused_head_supported(tiny_model)  # qwen2: logits = lm_head(hidden)
+    monkeypatch.setattr(tiny_model.config, "model_type", "gemma2")  # soft-capped logits: the plain path
+    assert not fused_head_supported(tiny_model)

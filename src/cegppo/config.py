@@ -49,7 +49,9 @@ class ModelConfig:
     precision: str = "auto"
     rollout_dtype: str = "auto"  # dtype of the generation copy of the policy: auto | bfloat16 | float32
     gradient_checkpointing: bool = False
-    fused_lm_head: bool = False  # LM head applied in row chunks inside the log-prob/entropy: no [B, T, V] logits held
+    # LM head applied in row chunks inside the log-prob/entropy, so no [B, T, V] logits are held: true | false |
+    # auto (on for the model types known to compute logits as a plain lm_head(hidden), off for the others)
+    fused_lm_head: bool | str = "auto"
 
 
 @dataclass
@@ -537,6 +539,7 @@ def validate(cfg: Config) -> None:
     need(m.precision in ("auto", "fp32", "bf16-autocast"), "model.precision", "auto, fp32 or bf16-autocast", m.precision)
     need(m.rollout_dtype in ("auto", "bfloat16", "float32"), "model.rollout_dtype", "auto, bfloat16 or float32",
          m.rollout_dtype)
+    need(m.fused_lm_head in (True, False, "auto"), "model.fused_lm_head", "true, false or auto", m.fused_lm_head)
 
     d = cfg.data
     need(d.task is None or d.task in TASKS, "data.task", f"null or one of {sorted(TASKS)}", d.task)

@@ -16,7 +16,7 @@ from torch import Tensor
 from cegppo.algorithm.advantages import group_advantages, mixed_groups, overlong_penalty
 from cegppo.algorithm.diagnostics import MetricAccumulator
 from cegppo.algorithm.entropy_control import build_controller
-from cegppo.algorithm.logprobs import sequence_token_stats
+from cegppo.algorithm.logprobs import fused_head_supported, sequence_token_stats
 from cegppo.algorithm.objectives import get_objective
 from cegppo.algorithm.policy_loss import policy_loss
 from cegppo.config import Config, check_data, check_prompt_budget, eval_limit
@@ -84,6 +84,8 @@ class Trainer:
         if cfg.model.gradient_checkpointing:
             self.model.gradient_checkpointing_enable()
         self.precision = resolve_precision(cfg.model.precision, next(self.model.parameters()).device.type)
+        fused = cfg.model.fused_lm_head
+        self.fused_head = fused_head_supported(self.model) if fused == "auto" else fused
         self.optimizer, self.scheduler = build_optimizer(cfg.optim, self.model)
         self.state = {"step": 0, "cursor": 0, "bad_steps": 0}
         if resume_from is not None:
@@ -221,7 +223,7 @@ class Trainer:
         with autocast(self.precision, model):
             out = sequence_token_stats(model, rb.input_ids[rows, first : width + keep],
                                        rb.attention_mask[rows, first : width + keep], keep,
-                                       self.cfg.rollout.temperature, collision, fused_head=self.cfg.model.fused_lm_head)
+                                       self.cfg.rollout.temperature, collision, fused_head=self.fused_head)
         return tuple(x if x is None else torch.nn.functional.pad(x, (0, rb.response_len - keep)) for x in out)
 
     def micro_batches(self, rb: RolloutBatch, rows: Tensor) -> list[Tensor]:
