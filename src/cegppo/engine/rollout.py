@@ -37,6 +37,7 @@ class RolloutBatch:
     response_mask: Tensor  # [B, T]: response tokens up to and including the first EOS
     texts: list[str]  # decoded responses (special tokens stripped)
     truncated: Tensor  # [B] bool: no EOS within max_new_tokens
+    sampled_log_prob: Tensor | None = None  # [B, T]: the engine's log-probs of the sampled tokens (vLLM), else None
 
     @property
     def response_len(self) -> int:
@@ -59,6 +60,8 @@ class RolloutBatch:
             torch.cat([fit(p.response_mask, 0, right, 0) for p, (_, right) in zip(parts, widths)]),
             [t for p in parts for t in p.texts],
             torch.cat([p.truncated for p in parts]),
+            None if any(p.sampled_log_prob is None for p in parts) else
+            torch.cat([fit(p.sampled_log_prob, 0, right, 0) for p, (_, right) in zip(parts, widths)]),
         )
 
     @cached_property
@@ -73,6 +76,7 @@ class RolloutBatch:
         return RolloutBatch(
             self.input_ids[idx], self.attention_mask[idx], self.response_mask[idx],
             [self.texts[i] for i in idx.tolist()], self.truncated[idx],
+            None if self.sampled_log_prob is None else self.sampled_log_prob[idx],
         )
 
 

@@ -6,6 +6,7 @@ dynamic sampling -> old log-probs -> mini-batch updates -> metrics. The componen
 from __future__ import annotations
 
 import logging
+import math
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -267,8 +268,10 @@ class Trainer:
             if on_policy_entropy is not None:  # the policy that generated: ratio exactly 1
                 exp.old_log_prob[rows] = lp.detach()
                 on_policy_entropy += torch.stack([(ent.detach() * mask[rows]).sum(), mask[rows].sum()])
+            weights = self.engine_correction(exp, rows, acc)
             loss, m = policy_loss(
                 self.objective, lp, exp.old_log_prob[rows], exp.advantages[rows], mask[rows], agg=a.agg,
+                token_weights=weights,
                 num_tokens=n_tok, num_seqs=len(mb), entropy=ent, collision=col, entropy_coeff=a.entropy_coeff,
                 ref_log_prob=None if exp.ref_log_prob is None else exp.ref_log_prob[rows], kl_coeff=a.kl_coeff,
                 correct=exp.correct[rows], positive_loss_coeff=a.positive_loss_coeff, num_correct_tokens=n_correct_tok,
@@ -286,6 +289,18 @@ class Trainer:
         log.warning("step %d: non-finite %s; update skipped (train/skipped_updates)", step,
                     "loss" if not bool(finite_loss) else f"gradient norm ({float(grad_norm)})")
         return False
+
+    def engine_correction(self, exp: Experience, rows: Tensor, acc: MetricAccumulator) -> Tensor | None:
+        """With an engine that reports its sampling log-probs (vLLM): log how far they are from the policy's
+        (``rollout/logp_diff``: mean |log pi_old - log pi_engine|), and with ``rollout.tis_cap`` return the truncated
+        importance weights min(pi_old / pi_engine, cap) for these rows' objective (else None)."""
+        sampled = exp.rollouts.sampled_log_prob
+        if sampled is None:
+            return None
+        m, diff = exp.mask[rows], exp.old_log_prob[rows] - sampled[rows]
+        acc.add({"rollout/logp_diff": (diff.abs() * m).sum() / m.sum().clamp(min=1)}, m.sum())
+        cap = self.cfg.rollout.tis_cap
+        return torch.exp(diff.clamp(max=math.log(cap))) if cap > 0 else None
 
     def generated_tokens(self, row: dict) -> float:
         """Response tokens generated in the step of metrics ``row`` (every round of dynamic sampling)."""
