@@ -263,6 +263,7 @@ def report(result: dict, figure: str) -> str:
                      f"{r['tracking']['hold']:.3f} | {r['tracking']['70%']:.3f} | {beta} | "
                      f"{r['initial_test_accuracy']:.3f} -> {r['final_test_accuracy']:.3f} | {r['wall_s']:.0f} s |")
     lines += ["", "## Verdicts", ""] + [f"- {v}" for v in result["verdicts"]]
+    lines += ["", "## Notes", ""] + [f"- {n}" for n in result["notes"]] if result.get("notes") else []
     lines += ["", f"![{figure}]({figure})", ""]
     return "\n".join(lines)
 
@@ -292,11 +293,14 @@ def main() -> None:
     ap.add_argument("--lr", type=float, default=1e-5)
     ap.add_argument("--bonus", type=float, default=0.003, help="entropy-bonus coefficient of the bonus run")
     ap.add_argument("--move-beta2", action="store_true", help="let the autopilot move beta2 too (sign not established)")
-    ap.add_argument("--only", nargs="+", help="run only these labels (e.g. to resume a partial benchmark by hand)")
+    ap.add_argument("--only", nargs="+", help="run only these labels, in this order")
     ap.add_argument("--out", type=Path, help=f"results directory (default {RESULTS}; --quick: runs/entropy_control_quick)")
     ap.add_argument("--runs-dir", type=Path, help="where the training runs go (default runs/entropy_control[_quick])")
     ap.add_argument("--resume", action="store_true",
                     help="keep the records of runs an interrupted benchmark finished (same settings assumed)")
+    ap.add_argument("--collect", metavar="REV", help="run nothing: report the runs an interrupted benchmark finished "
+                    "(their records in --runs-dir), made by the code at git revision REV")
+    ap.add_argument("--note", action="append", help="a line for the report's notes (e.g. what else ran meanwhile)")
     ap.add_argument("--quick", action="store_true", help="tiny model, 2 steps, 1 seed: a smoke test, not a result")
     ap.add_argument("--from-json", type=Path, help="regenerate the report and plot from a saved result")
     args = ap.parse_args()
@@ -319,11 +323,16 @@ def main() -> None:
         atomic_write_text(data_dir / f"{name}.jsonl", "".join(
             json.dumps({"id": p.id, "question": p.messages[0]["content"], "answer": p.answer}) + "\n" for p in probs))
     t0, commit = time.perf_counter(), git_commit()  # the code that runs: HEAD may move while it does
-    confs = [c for c in configurations(args) if not args.only or c["label"] in args.only]
+    confs = configurations(args)
+    if args.only:  # these labels, in this order
+        confs = [c for label in args.only for c in confs if c["label"] == label]
     runs, base_acc = [], {}
     for seed in sz["seeds"]:
         for conf in confs:
             done = runs_dir / f"{conf['label'].replace(' ', '_').replace('%', 'pct')}-seed{seed}.record.json"
+            if args.collect:
+                runs += [json.loads(done.read_text())] if done.exists() else []
+                continue
             if args.resume and done.exists():  # a finished run of an interrupted benchmark: keep its record
                 runs.append(json.loads(done.read_text()))
                 base_acc.setdefault(seed, runs[-1]["initial_test_accuracy"])
@@ -332,11 +341,19 @@ def main() -> None:
             runs.append(run_one(conf, seed, sz, args, data_dir, runs_dir, base_acc))
             atomic_write_json(done, runs[-1])
     summary = summarize(runs)
+    if args.collect:
+        missing = [f"{c['label']} seed {seed}" for seed in sz["seeds"] for c in confs
+                   if not any(r["label"] == c["label"] and r["seed"] == seed for r in runs)]
+        commit = f"{args.collect} (the runs; report collected at {commit})"
     result = dict(command="python benchmarks/entropy_control.py " + " ".join(sys.argv[1:]), commit=commit,
-                  torch=torch.__version__, wall_s=time.perf_counter() - t0,
+                  torch=torch.__version__,
+                  wall_s=sum(r["wall_s"] for r in runs) if args.collect else time.perf_counter() - t0,
                   settings={**sz, "temperature": args.temperature, "lr": args.lr, "bonus": args.bonus,
                             "move_beta2": args.move_beta2, "quick": args.quick},
                   runs=runs, summary=summary, verdicts=verdicts(summary))
+    result["notes"] = list(args.note or [])
+    if args.collect and missing:
+        result["notes"].insert(0, f"Interrupted benchmark: {len(missing)} run(s) not made: {', '.join(missing)}.")
     write(result, out)
     print("\n".join(result["verdicts"]))
     print(f"wrote {out / 'entropy_control.json'}, {out / 'entropy_control.md'}, {out / 'entropy_control.png'} "

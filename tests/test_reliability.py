@@ -174,7 +174,9 @@ def test_nan_loss_skips_the_update_and_recovers(tiny_config, caplog, monkeypatch
 
 def test_nan_logits_stop_training_after_max_bad_steps(tiny_config):
     tr = Trainer(tiny_config(*SMALL, "train.steps=5", "train.max_bad_steps=2"))
-    tr.model.lm_head.register_forward_hook(lambda mod, inp, out: out * torch.nan)  # the policy only, not rollout
+    # NaN hidden states in the loss passes only (generation and the old-log-prob pass run without grad)
+    tr.model.get_decoder().norm.register_forward_hook(
+        lambda mod, inp, out: out * torch.nan if torch.is_grad_enabled() else out)
     before = params(tr.model)
     with pytest.raises(TrainingError, match=r"2 consecutive steps had a non-finite loss or gradient "
                                             r"\(train\.max_bad_steps=2\); stopping"):
