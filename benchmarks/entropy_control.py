@@ -28,7 +28,6 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -268,16 +267,6 @@ def report(result: dict, figure: str) -> str:
     return "\n".join(lines)
 
 
-def git_commit() -> str:
-    try:
-        sha = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True, check=True).stdout.strip()
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=ROOT, capture_output=True,
-                               text=True).stdout.strip()
-        return sha + ("-dirty" if dirty else "")
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
-
-
 def write(result: dict, out: Path) -> None:
     figure = plot(result["runs"], out)
     atomic_write_json(out / "entropy_control.json", result)
@@ -311,6 +300,8 @@ def main() -> None:
         return write(result, args.out or args.from_json.parent)
     import torch
 
+    from cegppo.engine.rundir import commit_label
+
     suffix = "_quick" if args.quick else ""
     out = args.out or (ROOT / "runs" / "entropy_control_quick" if args.quick else RESULTS)
     runs_dir = args.runs_dir or ROOT / "runs" / f"entropy_control{suffix}"
@@ -322,7 +313,7 @@ def main() -> None:
     for name, probs in (("train", train), ("test", heldout)):
         atomic_write_text(data_dir / f"{name}.jsonl", "".join(
             json.dumps({"id": p.id, "question": p.messages[0]["content"], "answer": p.answer}) + "\n" for p in probs))
-    t0, commit = time.perf_counter(), git_commit()  # the code that runs: HEAD may move while it does
+    t0, commit = time.perf_counter(), commit_label()  # the code that runs: HEAD may move while it does
     confs = configurations(args)
     if args.only:  # these labels, in this order
         confs = [c for label in args.only for c in confs if c["label"] == label]

@@ -15,7 +15,6 @@ import argparse
 import os
 import shlex
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -40,11 +39,12 @@ def main() -> None:
     from cegppo.config import load_config
     from cegppo.engine.components import DataOrder, load_splits
     from cegppo.engine.models import load_model
+    from cegppo.engine.rundir import commit_label
     from cegppo.engine.rollout import HFRollout, Sampling
     from cegppo.engine.vllm_rollout import VLLMRollout
     from cegppo.io import atomic_write_json, atomic_write_text
 
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
+    commit = commit_label()
     load_before = os.getloadavg()[0]
     train, _ = load_splits(load_config(None, []))
     problems = DataOrder(train, 0).take(0, args.prompts * (args.rounds + 1))

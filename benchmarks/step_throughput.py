@@ -26,7 +26,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import resource
 import shlex
 import statistics
 import subprocess
@@ -49,7 +48,9 @@ def settings(args) -> dict:
 
 
 def peak_rss_gib() -> float:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # Linux: KiB
+    from cegppo.engine.recipes import peak_rss_mb
+
+    return peak_rss_mb() / 1024
 
 
 def problems_in_order(s: dict) -> list:
@@ -125,17 +126,16 @@ def trl_worker(s: dict, workdir: Path, overrides: list[str]) -> dict:
         texts = [c[0]["content"] for c in completions]
         return reward(texts, [answers[p[-1]["content"]] for p in prompts]).scores
 
-    clock = {"generate": 0.0, "old_logp": 0.0, "trained": 0.0, "generated": 0.0, "lengths": []}
+    gens: list[dict] = []  # one per generation, i.e. per RL step: its timings and tokens
 
     class Timed(CEGPPOTrainer):
         def _generate_and_score_completions(self, inputs):
+            gens.append(dict(old_logp_s=0.0))
             t0 = time.perf_counter()
             out = super()._generate_and_score_completions(inputs)
-            clock["generate"] += time.perf_counter() - t0
-            tokens = float(out["completion_mask"].sum())
-            clock["trained"] += tokens
-            clock["generated"] += tokens
-            clock["lengths"].append(tokens / out["completion_mask"].shape[0])
+            g, mask = gens[-1], out["completion_mask"]
+            g.update(generate_s=time.perf_counter() - t0 - g["old_logp_s"], tokens=float(mask.sum()),
+                     mean_response_length=float(mask.sum()) / mask.shape[0])
             return out
 
         def _get_per_token_logps_and_entropies(self, *a, **kw):
@@ -143,12 +143,11 @@ def trl_worker(s: dict, workdir: Path, overrides: list[str]) -> dict:
                 return super()._get_per_token_logps_and_entropies(*a, **kw)
             t0 = time.perf_counter()  # the old-log-prob pass inside generation: counted apart from generating
             out = super()._get_per_token_logps_and_entropies(*a, **kw)
-            clock["old_logp"] += time.perf_counter() - t0
-            clock["generate"] -= time.perf_counter() - t0
+            gens[-1]["old_logp_s"] += time.perf_counter() - t0
             return out
 
     per_cycle = s["mini_batches"]  # optimizer steps per generation
-    marks: list[float] = []
+    marks: list[float] = []  # the start, then the end of each generation's last optimizer step
 
     class Clock(TrainerCallback):
         def on_step_begin(self, args, state, control, **kw):
@@ -158,9 +157,7 @@ def trl_worker(s: dict, workdir: Path, overrides: list[str]) -> dict:
         def on_step_end(self, args, state, control, **kw):
             if state.global_step % per_cycle == 0:
                 marks.append(time.perf_counter())
-                snapshots.append(dict(clock, lengths=list(clock["lengths"])))
 
-    snapshots: list[dict] = []
     ds = Dataset.from_dict({"prompt": [p.messages for p in problems]})
     args = CEGPPOConfig(
         output_dir=str(workdir / "trl"), per_device_train_batch_size=s["micro_batch"],
@@ -175,16 +172,10 @@ def trl_worker(s: dict, workdir: Path, overrides: list[str]) -> dict:
     trainer = Timed(model=str(preset_path(s["model"])), reward_funcs=[math_strict], args=args, train_dataset=ds,
                     callbacks=[Clock()])
     trainer.train()
-    steps, prev = [], dict(generate=0.0, old_logp=0.0, trained=0.0, generated=0.0, lengths=[])
-    for i, snap in enumerate(snapshots):
-        total = marks[i + 1] - marks[i]
-        gen, old = snap["generate"] - prev["generate"], snap["old_logp"] - prev["old_logp"]
-        trained = snap["trained"] - prev["trained"]
-        lengths = snap["lengths"][len(prev["lengths"]):]
-        steps.append(dict(step_s=total, generate_s=gen, old_logp_s=old, update_s=total - gen - old,
-                          generated_tokens=snap["generated"] - prev["generated"], trained_tokens=trained,
-                          mean_response_length=sum(lengths) / max(len(lengths), 1)))
-        prev = snap
+    steps = [dict(step_s=b - a, generate_s=g["generate_s"], old_logp_s=g["old_logp_s"],
+                  update_s=b - a - g["generate_s"] - g["old_logp_s"], generated_tokens=g["tokens"],
+                  trained_tokens=g["tokens"], mean_response_length=g["mean_response_length"])
+             for a, b, g in zip(marks, marks[1:], gens)]
     return dict(steps=steps, peak_rss_gib=peak_rss_gib())
 
 
@@ -283,17 +274,6 @@ def report(result: dict) -> str:
     return "\n".join(lines)
 
 
-def git_commit() -> str:
-    try:
-        sha = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True,
-                             check=True).stdout.strip()
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=ROOT,
-                               capture_output=True, text=True).stdout.strip()
-        return sha + ("-dirty" if dirty else "")
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="smollm2-135m-instruct")
@@ -326,9 +306,11 @@ def main() -> None:
         return _write(result, out)
     import torch
 
+    from cegppo.engine.rundir import commit_label
+
     s = settings(args)
     measured = systems(args)
-    load_before, t0, runs, commit = os.getloadavg()[0], time.perf_counter(), [], git_commit()
+    load_before, t0, runs, commit = os.getloadavg()[0], time.perf_counter(), [], commit_label()
     for rnd in range(s["rounds"]):
         for system in measured if rnd % 2 == 0 else measured[::-1]:  # alternate who goes first
             r = run_worker(system, s)

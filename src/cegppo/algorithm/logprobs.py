@@ -254,8 +254,11 @@ def response_logits(model: torch.nn.Module, input_ids: Tensor, attention_mask: T
 def fused_head_supported(model: torch.nn.Module) -> bool:
     """Whether ``sequence_token_stats(..., fused_head=True)`` can run on ``model``: a model type known to compute
     its logits as a plain ``lm_head(hidden)`` (no soft-capping or scaling after it), with an ``nn.Linear`` head."""
-    model_type = getattr(getattr(model, "config", None), "model_type", None)
-    return model_type in FUSED_HEAD_MODEL_TYPES and isinstance(model.get_output_embeddings(), torch.nn.Linear)
+    try:
+        _output_layer(model)
+    except NotImplementedError:
+        return False
+    return True
 
 
 def _output_layer(model: torch.nn.Module) -> torch.nn.Linear:

@@ -116,6 +116,22 @@ def response_mask_from(responses: Tensor, eos: list[int]) -> tuple[Tensor, Tenso
     return (~seen_before).long(), ~is_eos.any(-1)
 
 
+def rollout_batch(tokenizer, prompt_ids: Tensor, prompt_mask: Tensor, responses: Tensor, eos: list[int],
+                  sampled_log_prob: Tensor | None = None) -> RolloutBatch:
+    """A batch from each row's left-padded prompt and right-padded raw response (an engine's output): everything
+    after a response's first EOS becomes padding, and the masks, truncation flags and texts follow from that."""
+    response_mask, truncated = response_mask_from(responses, eos)
+    responses = torch.where(response_mask.bool(), responses, tokenizer.pad_token_id)
+    return RolloutBatch(
+        input_ids=torch.cat([prompt_ids, responses], 1),
+        attention_mask=torch.cat([prompt_mask, response_mask], 1),
+        response_mask=response_mask,
+        texts=tokenizer.batch_decode(responses, skip_special_tokens=True),
+        truncated=truncated,
+        sampled_log_prob=None if sampled_log_prob is None else sampled_log_prob * response_mask,
+    )
+
+
 class _TokenCounter:
     """A ``generate`` streamer that only counts decoding steps (the first ``put`` is the prompt)."""
 
@@ -183,13 +199,4 @@ class HFRollout:
         width = max(o.shape[1] for o in outs)
         pad = self.tokenizer.pad_token_id
         responses = torch.cat([torch.nn.functional.pad(o, (0, width - o.shape[1]), value=pad) for o in outs])
-        response_mask, truncated = response_mask_from(responses, self.eos)
-        responses = torch.where(response_mask.bool(), responses, pad)
-        texts = self.tokenizer.batch_decode(responses, skip_special_tokens=True)
-        return RolloutBatch(
-            input_ids=torch.cat([prompt_ids, responses], 1),
-            attention_mask=torch.cat([prompt_mask, response_mask], 1),
-            response_mask=response_mask,
-            texts=texts,
-            truncated=truncated,
-        )
+        return rollout_batch(self.tokenizer, prompt_ids, prompt_mask, responses, self.eos)

@@ -128,6 +128,13 @@ def provenance() -> dict:
             "cegppo_version": version("cegppo"), "commit": commit, "uncommitted_changes": dirty}
 
 
+def commit_label() -> str:
+    """The checkout's commit, short, with ``-dirty`` when tracked files have uncommitted changes (for results files);
+    ``unknown`` outside a git checkout."""
+    p = provenance()
+    return "unknown" if p["commit"] is None else p["commit"][:7] + ("-dirty" if p["uncommitted_changes"] else "")
+
+
 class RunDir:
     """The run directory, owned (locked) by this process from construction until :meth:`close`."""
 

@@ -36,6 +36,11 @@ log = logging.getLogger(__name__)
 __all__ = ["Experience", "Trainer", "TrainingError"]
 
 
+def entropy_sum(entropy: Tensor, mask: Tensor) -> Tensor:
+    """``[sum of entropy over response tokens, tokens]``: summed over micro-batches, then divided once."""
+    return torch.stack([(entropy * mask).sum(), mask.sum()])
+
+
 @dataclass
 class Experience:
     """One step's training data: rollouts plus what the update needs, all ``[B, ...]`` tensors."""
@@ -129,10 +134,11 @@ class Trainer:
             mini_batches = torch.arange(len(exp.rewards)).tensor_split(cfg.train.mini_batches) * cfg.train.ppo_epochs
             # the first mini-batch is still on-policy: its loss pass gives its old log-probs and entropy, so the
             # separate pass covers only the rest (all of it when the autopilot needs the entropy before any update)
-            fresh = mini_batches[0] if cfg.train.ppo_epochs == 1 and self.controller is None else mini_batches[0][:0]
+            on_policy_first = cfg.train.ppo_epochs == 1 and self.controller is None
+            fresh = mini_batches[0] if on_policy_first else torch.empty(0, dtype=torch.long)
             self.progress.phase("old log-probs")
             entropy = self.old_log_probs(exp, skip=fresh)  # [entropy sum, tokens] of the rows it covered
-            metrics.update(self.steer(float(entropy[0] / entropy[1].clamp(min=1))))  # autopilot (off: nothing)
+            metrics.update(self.steer(entropy))  # autopilot: this step's betas (on: every row is in `entropy`)
             for i, mb in enumerate(mini_batches, 1):  # one optimizer step per mini-batch; the later ones are off-policy
                 self.progress.phase(f"update {i}/{len(mini_batches)}")
                 if len(mb):
@@ -148,12 +154,13 @@ class Trainer:
         metrics.update(step=step, **{"time/step_s": time.perf_counter() - t0, "time/rollout_s": t_gen})
         return metrics
 
-    def steer(self, entropy: float | None) -> dict:
-        """Entropy autopilot (``algorithm.entropy_control``): update the controller from the rollouts' entropy,
+    def steer(self, entropy: Tensor) -> dict:
+        """Entropy autopilot (``algorithm.entropy_control``): update the controller from the rollouts' entropy
+        (``[sum, tokens]``, :func:`entropy_sum`),
         rebuild the objective with its betas, keep its state for the checkpoint; returns the ``control/*`` metrics."""
         if self.controller is None:
             return {}
-        out = self.controller.update(entropy)
+        out = self.controller.update(float(entropy[0] / entropy[1].clamp(min=1)))
         self.objective = get_objective(self.objective.name, **{**self.objective.hparams, "beta1": out["beta1"],
                                                                "beta2": out["beta2"]})
         self.state["entropy_control"] = self.controller.state_dict()
@@ -218,9 +225,10 @@ class Trainer:
         ``[len(rows), T]``. The forward pass sees only the columns these rows use (from their longest prompt to
         their longest response); the response positions past that are zero."""
         prompt_len, response_len = rb.lengths
+        idx = rows.tolist()
         width = rb.input_ids.shape[1] - rb.response_len  # the batch's prompt width (prompts are left-padded)
-        first = width - max(prompt_len[i] for i in rows.tolist())
-        keep = max(1, max(response_len[i] for i in rows.tolist()))
+        first = width - max(prompt_len[i] for i in idx)
+        keep = max(1, max(response_len[i] for i in idx))
         with autocast(self.precision, model):
             out = sequence_token_stats(model, rb.input_ids[rows, first : width + keep],
                                        rb.attention_mask[rows, first : width + keep], keep,
@@ -245,7 +253,7 @@ class Trainer:
             self.progress.heartbeat(f"{i * self.cfg.train.micro_batch_size}/{len(todo)} sequences")
             lp, ent, _ = self.token_stats(self.model, exp.rollouts, rows)
             exp.old_log_prob[rows] = lp
-            entropy += torch.stack([(ent * exp.mask[rows]).sum(), exp.mask[rows].sum()])
+            entropy += entropy_sum(ent, exp.mask[rows])
         exp.ref_log_prob = None if self.ref_model is None else torch.zeros(B, T)
         for rows in self.micro_batches(exp.rollouts, torch.arange(B)) if self.ref_model is not None else []:
             exp.ref_log_prob[rows] = self.token_stats(self.ref_model, exp.rollouts, rows)[0]
@@ -267,7 +275,7 @@ class Trainer:
             lp, ent, col = self.token_stats(self.model, exp.rollouts, rows, collision=True)
             if on_policy_entropy is not None:  # the policy that generated: ratio exactly 1
                 exp.old_log_prob[rows] = lp.detach()
-                on_policy_entropy += torch.stack([(ent.detach() * mask[rows]).sum(), mask[rows].sum()])
+                on_policy_entropy += entropy_sum(ent.detach(), mask[rows])
             weights = self.engine_correction(exp, rows, acc)
             loss, m = policy_loss(
                 self.objective, lp, exp.old_log_prob[rows], exp.advantages[rows], mask[rows], agg=a.agg,

