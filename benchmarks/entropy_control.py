@@ -13,7 +13,12 @@ dynamic sampling, 4 mini-batches of AdamW at lr 1e-5. Runs, each from the same s
 - GRPO (PPO clip 0.2/0.2, dual clip 10), CE-GPPO(0.75, 1), Clip-Cov and KL-Cov (verl's defaults), GRPO with an
   entropy bonus (``--bonus``, default 0.003: the paper's "exploding" value at 7B);
 - the autopilot (``algorithm.entropy_control``, CE-GPPO starting at (0.75, 1), its default gains) at two targets:
-  hold the entropy of the first RL step, and 70% of it.
+  hold the entropy of the first RL step, and 70% of it; once with beta1 as its only lever, and once with the
+  entropy-bonus lever too (``--bonus-gain``, ``--bonus-max``).
+
+Before the runs of the first seed it measures the noise of what the autopilot sees: the token-mean entropy of
+``--noise-batches`` rollout batches of the starting policy (no update between them). Even a controller that held the
+true entropy exactly on target would score about sqrt(2/pi) x that standard deviation / T as its tracking error.
 
 Per run: the tracking error, mean |H - target| / target over the second half of training (steps > steps/2), for
 both targets (a fixed run is scored against the target it was never told about, as the autopilot is against its
@@ -48,8 +53,11 @@ def configurations(args) -> list[dict]:
     """(label, objective, hparams, extra overrides, target name or None) of every run at one seed."""
     ce = {**CLIP, "beta1": 0.75, "beta2": 1.0}
 
-    def autopilot(frac: float) -> list[str]:
+    def autopilot(frac: float, bonus: bool = False) -> list[str]:
         out = ["algorithm.entropy_control.enabled=true", f"algorithm.entropy_control.target={frac}"]
+        if bonus:
+            out += [f"algorithm.entropy_control.bonus_gain={args.bonus_gain}",
+                    f"algorithm.entropy_control.bonus_max={args.bonus_max}"]
         return out + (["algorithm.entropy_control.move_beta2=true"] if args.move_beta2 else [])
 
     return [
@@ -61,6 +69,10 @@ def configurations(args) -> list[dict]:
              extra=[f"algorithm.entropy_coeff={args.bonus}"], target=None),
         dict(label="Autopilot (hold)", objective="ce_gppo", hparams=ce, extra=autopilot(TARGETS["hold"]), target="hold"),
         dict(label="Autopilot (70%)", objective="ce_gppo", hparams=ce, extra=autopilot(TARGETS["70%"]), target="70%"),
+        dict(label="Autopilot + bonus (hold)", objective="ce_gppo", hparams=ce,
+             extra=autopilot(TARGETS["hold"], bonus=True), target="hold"),
+        dict(label="Autopilot + bonus (70%)", objective="ce_gppo", hparams=ce,
+             extra=autopilot(TARGETS["70%"], bonus=True), target="70%"),
     ]
 
 
@@ -73,12 +85,8 @@ def sizes(args) -> dict:
                 dynamic_sampling=True)
 
 
-def run_one(conf: dict, seed: int, sz: dict, args, data_dir: Path, runs_dir: Path, base_acc: dict) -> dict:
-    from cegppo.config import load_config
-    from cegppo.engine.trainer import Trainer
-
-    run_dir = runs_dir / f"{conf['label'].replace(' ', '_').replace('%', 'pct')}-seed{seed}"
-    overrides = [
+def trainer_overrides(conf: dict, seed: int, sz: dict, args, data_dir: Path, run_dir: Path) -> list[str]:
+    return [
         f"output_dir={run_dir}", f"model.name={sz['model']}", f"model.precision={sz['precision']}",
         f"model.rollout_dtype={sz['rollout_dtype']}",
         f"data.train_path={data_dir / 'train.jsonl'}", f"data.test_path={data_dir / 'test.jsonl'}", "data.task=null",
@@ -92,6 +100,46 @@ def run_one(conf: dict, seed: int, sz: dict, args, data_dir: Path, runs_dir: Pat
         "train.save_every=0", f"train.seed={seed}", f"eval.num_problems={sz['eval_n']}", "eval.every=0",
         f"eval.max_new_tokens={sz['max_new_tokens']}", "logging.progress=false", *conf["extra"],
     ]
+
+
+def run_name(label: str, seed: int) -> str:
+    return f"{label.replace(' ', '_').replace('%', 'pct')}-seed{seed}"
+
+
+def measure_noise(conf: dict, seed: int, sz: dict, args, data_dir: Path, runs_dir: Path, commit: str) -> dict:
+    """The token-mean entropy of ``--noise-batches`` rollout batches of the starting policy (as the trainer measures
+    it for the autopilot: every kept response, before any update), each batch from new prompts and samples."""
+    import torch
+
+    from cegppo.config import load_config
+    from cegppo.engine.trainer import Trainer
+
+    t0 = time.perf_counter()
+    tr = Trainer(load_config(None, trainer_overrides(conf, seed, sz, args, data_dir, runs_dir / f"noise-seed{seed}")),
+                 overwrite=True)
+    entropies = []
+    for step in range(1, args.noise_batches + 1):
+        exp, _ = tr.collect(step)
+        if exp is not None:  # dynamic sampling kept some groups
+            h = tr.old_log_probs(exp, skip=torch.empty(0, dtype=torch.long))
+            entropies.append(float(h[0] / h[1].clamp(min=1)))
+    tr.close()
+    mean, _ = mean_sem(entropies)
+    sd = math.sqrt(sum((h - mean) ** 2 for h in entropies) / (len(entropies) - 1)) if len(entropies) > 1 else math.nan
+    rec = dict(seed=seed, entropies=entropies, mean=mean, sd=sd, floor=math.sqrt(2 / math.pi) * sd / mean,
+               commit=commit, wall_s=time.perf_counter() - t0)
+    print(f"noise: {len(entropies)} rollout batches of the starting policy, H = {mean:.4f} +- sd {sd:.4f} "
+          f"({sd / mean:.1%}); a perfect tracker scores ~{rec['floor']:.3f}", flush=True)
+    return rec
+
+
+def run_one(conf: dict, seed: int, sz: dict, args, data_dir: Path, runs_dir: Path, base_acc: dict,
+            commit: str) -> dict:
+    from cegppo.config import load_config
+    from cegppo.engine.trainer import Trainer
+
+    run_dir = runs_dir / run_name(conf["label"], seed)
+    overrides = trainer_overrides(conf, seed, sz, args, data_dir, run_dir)
     t0 = time.perf_counter()
     tr = Trainer(load_config(None, overrides), overwrite=True)  # a rerun replaces its own run directory
     if seed not in base_acc:  # the same weights for every run of a seed: evaluate the start once
@@ -108,8 +156,9 @@ def run_one(conf: dict, seed: int, sz: dict, args, data_dir: Path, runs_dir: Pat
     rec = dict(label=conf["label"], objective=conf["objective"], hparams=conf["hparams"], extra=conf["extra"],
                target=conf["target"], seed=seed, steps=col("step"), entropy=col("entropy"),
                reward=col("reward/mean"), beta1=col("control/beta1"), beta2=col("control/beta2"),
-               control_target=col("control/target"), initial_test_accuracy=base_acc[seed],
-               final_test_accuracy=final, wall_s=wall, run_dir=str(run_dir))
+               entropy_coeff=col("control/entropy_coeff"), control_target=col("control/target"),
+               initial_test_accuracy=base_acc[seed], final_test_accuracy=final, wall_s=wall, run_dir=str(run_dir),
+               commit=commit)
     rec["tracking"] = {name: tracking_error(rec, frac) for name, frac in TARGETS.items()}
     rec["final_entropy"] = next((h for h in reversed(rec["entropy"]) if h is not None), float("nan"))
     print(f"{conf['label']:<28} seed {seed}: H {first(rec['entropy']):.4f} -> {rec['final_entropy']:.4f}, "
@@ -150,27 +199,33 @@ def summarize(runs: list[dict]) -> list[dict]:
     return out
 
 
-def verdicts(summary: list[dict]) -> list[str]:
+def verdicts(summary: list[dict], noise: list[dict] | None = None) -> list[str]:
     fixed = [s for s in summary if s["target"] is None]
     grpo = next((s for s in summary if s["label"] == "GRPO"), None)
+    floor = mean_sem([n["floor"] for n in noise or []])[0] if noise else math.nan
     lines = []
     for name in TARGETS:
-        auto = next((s for s in summary if s["target"] == name), None)
-        if auto is None or not fixed:
+        if not fixed:
             continue
         best = min(fixed, key=lambda s: s[f"tracking_{name}"])
-        a, b = auto[f"tracking_{name}"], best[f"tracking_{name}"]
-        ratio = a / b if b > 0 else float("inf")
-        lines.append(f"Target {name}: autopilot tracking error {fmt(a, auto[f'tracking_{name}_se'])} vs the best "
-                     f"fixed setting ({best['label']}) {fmt(b, best[f'tracking_{name}_se'])}: ratio {ratio:.2f} "
-                     f"-> goal (<= 1/3) {'MET' if ratio <= 1 / 3 else 'NOT MET'}.")
-        if grpo is not None:
-            d = auto["accuracy"] - grpo["accuracy"]
-            se = math.sqrt(sum(x ** 2 for x in (auto["accuracy_se"], grpo["accuracy_se"]) if not math.isnan(x)))
-            ok = d >= -se if se > 0 else d >= 0
-            lines.append(f"Target {name}: held-out accuracy autopilot {fmt(auto['accuracy'], auto['accuracy_se'])} "
-                         f"vs GRPO {fmt(grpo['accuracy'], grpo['accuracy_se'])} (difference {d:+.3f}, combined SE "
-                         f"{se:.3f}) -> not below GRPO beyond one SE: {'MET' if ok else 'NOT MET'}.")
+        b = best[f"tracking_{name}"]
+        for auto in (s for s in summary if s["target"] == name):
+            a = auto[f"tracking_{name}"]
+            ratio = a / b if b > 0 else float("inf")
+            lines.append(f"Target {name}: {auto['label']} tracking error {fmt(a, auto[f'tracking_{name}_se'])} vs "
+                         f"the best fixed setting ({best['label']}) {fmt(b, best[f'tracking_{name}_se'])}: ratio "
+                         f"{ratio:.2f} -> goal (<= 1/3) {'MET' if ratio <= 1 / 3 else 'NOT MET'}.")
+            if grpo is not None:
+                d = auto["accuracy"] - grpo["accuracy"]
+                se = math.sqrt(sum(x ** 2 for x in (auto["accuracy_se"], grpo["accuracy_se"]) if not math.isnan(x)))
+                ok = d >= -se if se > 0 else d >= 0
+                lines.append(f"Target {name}: held-out accuracy {auto['label']} {fmt(auto['accuracy'], auto['accuracy_se'])} "
+                             f"vs GRPO {fmt(grpo['accuracy'], grpo['accuracy_se'])} (difference {d:+.3f}, combined SE "
+                             f"{se:.3f}) -> not below GRPO beyond one SE: {'MET' if ok else 'NOT MET'}.")
+        if not math.isnan(floor):
+            lines.append(f"Target {name}: the goal asks for a tracking error <= {b / 3:.3f}; the measurement noise alone "
+                         f"(relative to the entropy) gives a perfect tracker ~{floor:.3f} -> the goal is "
+                         f"{'above' if b / 3 > floor else 'BELOW'} the noise floor at this rollout size.")
     return lines
 
 
@@ -187,6 +242,7 @@ def plot(runs: list[dict], out: Path) -> str:
     fig, axes = plt.subplots(2, len(TARGETS), figsize=(15, 7.5), sharex=True, height_ratios=[3, 1.3], squeeze=False)
     band = 0.05  # the controller's default band, drawn around each target
     last = max(max(r["steps"]) for r in runs)
+    twins = {}
     for col, (name, frac) in enumerate(TARGETS.items()):
         ax, bx = axes[0][col], axes[1][col]
         for r in runs:
@@ -200,6 +256,12 @@ def plot(runs: list[dict], out: Path) -> str:
                     pts = [(s, b) for s, b in zip(r["steps"], r[key]) if b is not None]
                     bx.plot([p[0] for p in pts], [p[1] for p in pts], color=colors[r["label"]], ls=styles[r["seed"]],
                             marker=marker, ms=3, label=f"{key} (seed {r['seed']})")
+                pts = [(s, c) for s, c in zip(r["steps"], r.get("entropy_coeff") or []) if c]
+                if pts:  # the bonus lever, on its own scale
+                    cx = twins.setdefault(col, bx.twinx())
+                    cx.plot([p[0] for p in pts], [p[1] for p in pts], color=colors[r["label"]], ls=styles[r["seed"]],
+                            marker="^", ms=3, alpha=0.7)
+                    cx.set_ylabel("autopilot bonus (^)")
         for seed in seeds:
             t = frac * first(next(r for r in runs if r["seed"] == seed)["entropy"])
             ax.axhspan(t * (1 - band), t * (1 + band), color="grey", alpha=0.15)
@@ -254,13 +316,24 @@ def report(result: dict, figure: str) -> str:
     lines += ["", "Bold: the autopilot scored against its own target; every other cell scores a run against a target "
               "it was not steering to.", "", "## Per run", "",
               "| run | seed | entropy first -> final | tracking hold | tracking 70% | beta1 first -> last | "
-              "held-out acc start -> end | wall |", "|---|---|---|---|---|---|---|---|"]
+              "largest autopilot bonus | held-out acc start -> end | wall | code |", "|---|---|---|---|---|---|---|---|---|---|"]
     for r in runs:
         b1 = [b for b in r["beta1"] if b is not None]
         beta = f"{b1[0]:.3f} -> {b1[-1]:.3f}" if b1 else "-"
+        bonus = max((c for c in r.get("entropy_coeff") or [] if c is not None), default=None)
         lines.append(f"| {r['label']} | {r['seed']} | {first(r['entropy']):.4f} -> {r['final_entropy']:.4f} | "
                      f"{r['tracking']['hold']:.3f} | {r['tracking']['70%']:.3f} | {beta} | "
-                     f"{r['initial_test_accuracy']:.3f} -> {r['final_test_accuracy']:.3f} | {r['wall_s']:.0f} s |")
+                     f"{'-' if bonus is None else f'{bonus:.4f}'} | "
+                     f"{r['initial_test_accuracy']:.3f} -> {r['final_test_accuracy']:.3f} | {r['wall_s']:.0f} s | "
+                     f"{r.get('commit', '-')} |")
+    for n in result.get("noise") or []:
+        lines += ["", "## Measurement noise", "",
+                  f"The token-mean entropy the autopilot sees, over {len(n['entropies'])} rollout batches of the "
+                  f"starting policy at seed {n['seed']} (new prompts and samples, no update between them): "
+                  f"{n['mean']:.4f} +- sd {n['sd']:.4f} ({n['sd'] / n['mean']:.1%}); batches: "
+                  + ", ".join(f"{h:.4f}" for h in n["entropies"]) + ". A controller that held the true entropy "
+                  f"exactly on target would still score a tracking error of about sqrt(2/pi) x sd / H = "
+                  f"{n['floor']:.3f} (the noise taken as proportional to the entropy)."]
     lines += ["", "## Verdicts", ""] + [f"- {v}" for v in result["verdicts"]]
     lines += ["", "## Notes", ""] + [f"- {n}" for n in result["notes"]] if result.get("notes") else []
     lines += ["", f"![{figure}]({figure})", ""]
@@ -281,6 +354,10 @@ def main() -> None:
     ap.add_argument("--temperature", type=float, default=0.7)
     ap.add_argument("--lr", type=float, default=1e-5)
     ap.add_argument("--bonus", type=float, default=0.003, help="entropy-bonus coefficient of the bonus run")
+    ap.add_argument("--bonus-gain", type=float, default=0.1, help="the autopilot's bonus lever: coefficient per unit signal")
+    ap.add_argument("--bonus-max", type=float, default=0.05, help="the autopilot's bonus lever: largest coefficient")
+    ap.add_argument("--noise-batches", type=int, default=8,
+                    help="rollout batches of the starting policy whose entropy spread is the measurement noise (0: none)")
     ap.add_argument("--move-beta2", action="store_true", help="let the autopilot move beta2 too (sign not established)")
     ap.add_argument("--only", nargs="+", help="run only these labels, in this order")
     ap.add_argument("--out", type=Path, help=f"results directory (default {RESULTS}; --quick: runs/entropy_control_quick)")
@@ -296,7 +373,7 @@ def main() -> None:
     if args.from_json:
         result = json.loads(args.from_json.read_text())
         result["summary"] = summarize(result["runs"])
-        result["verdicts"] = verdicts(result["summary"])
+        result["verdicts"] = verdicts(result["summary"], result.get("noise"))
         return write(result, args.out or args.from_json.parent)
     import torch
 
@@ -317,31 +394,41 @@ def main() -> None:
     confs = configurations(args)
     if args.only:  # these labels, in this order
         confs = [c for label in args.only for c in confs if c["label"] == label]
-    runs, base_acc = [], {}
+    runs, base_acc, noise = [], {}, []
     for seed in sz["seeds"]:
+        done = runs_dir / f"noise-seed{seed}.record.json"  # the measurement noise, at the first seed only
+        if done.exists() and (args.collect or args.resume):
+            noise.append(json.loads(done.read_text()))
+        elif seed == sz["seeds"][0] and args.noise_batches > 0 and not args.collect:
+            noise.append(measure_noise(configurations(args)[0], seed, sz, args, data_dir, runs_dir, commit))
+            atomic_write_json(done, noise[-1])
         for conf in confs:
-            done = runs_dir / f"{conf['label'].replace(' ', '_').replace('%', 'pct')}-seed{seed}.record.json"
+            done = runs_dir / f"{run_name(conf['label'], seed)}.record.json"
             if args.collect:
-                runs += [json.loads(done.read_text())] if done.exists() else []
+                if done.exists():
+                    runs.append(json.loads(done.read_text()))
+                    runs[-1].setdefault("commit", args.collect)  # records made before runs recorded their commit
                 continue
             if args.resume and done.exists():  # a finished run of an interrupted benchmark: keep its record
                 runs.append(json.loads(done.read_text()))
                 base_acc.setdefault(seed, runs[-1]["initial_test_accuracy"])
                 print(f"{conf['label']:<28} seed {seed}: kept from {done}", flush=True)
                 continue
-            runs.append(run_one(conf, seed, sz, args, data_dir, runs_dir, base_acc))
+            runs.append(run_one(conf, seed, sz, args, data_dir, runs_dir, base_acc, commit))
             atomic_write_json(done, runs[-1])
     summary = summarize(runs)
     if args.collect:
         missing = [f"{c['label']} seed {seed}" for seed in sz["seeds"] for c in confs
                    if not any(r["label"] == c["label"] and r["seed"] == seed for r in runs)]
-        commit = f"{args.collect} (the runs; report collected at {commit})"
+        commits = sorted({r["commit"] for r in runs} | {n.get("commit", args.collect) for n in noise})
+        commit = f"{', '.join(commits)} (the runs; report collected at {commit})"
     result = dict(command="python benchmarks/entropy_control.py " + " ".join(sys.argv[1:]), commit=commit,
                   torch=torch.__version__,
                   wall_s=sum(r["wall_s"] for r in runs) if args.collect else time.perf_counter() - t0,
                   settings={**sz, "temperature": args.temperature, "lr": args.lr, "bonus": args.bonus,
+                            "bonus_gain": args.bonus_gain, "bonus_max": args.bonus_max,
                             "move_beta2": args.move_beta2, "quick": args.quick},
-                  runs=runs, summary=summary, verdicts=verdicts(summary))
+                  runs=runs, noise=noise, summary=summary, verdicts=verdicts(summary, noise))
     result["notes"] = list(args.note or [])
     if args.collect and missing:
         result["notes"].insert(0, f"Interrupted benchmark: {len(missing)} run(s) not made: {', '.join(missing)}.")

@@ -84,6 +84,27 @@ def test_beta2_moves_only_when_enabled_and_beta1_saturated():
     assert low[-1]["beta1"] == 0.5 and low[-1]["beta2"] == 1.5
 
 
+def test_bonus_lever_raises_an_entropy_bonus_only_below_target_and_within_its_cap():
+    assert {r["entropy_coeff"] for r in drive(controller(), [0.5] * 20)} == {0.0}  # off by default
+    low = drive(controller(bonus_gain=0.1, bonus_max=0.04), [0.9] * 30)
+    assert low[0]["entropy_coeff"] == pytest.approx(0.1 * 3.0 * 0.1 + 0.1 * 0.1)  # -gain * s, s = kp e + ki I
+    assert all(b["entropy_coeff"] >= a["entropy_coeff"] for a, b in zip(low, low[1:]))  # the integral grows
+    assert low[-1]["entropy_coeff"] == 0.04 and low[-1]["beta1"] == 0.0  # capped, beta1 at its bound too
+    assert all(r["control/entropy_coeff"] == r["entropy_coeff"] for r in low)
+    high = drive(controller(bonus_gain=0.1), [1.2] * 10)
+    assert {r["entropy_coeff"] for r in high} == {0.0} and high[-1]["beta1"] > 0.75  # above target: beta1 only
+
+
+def test_bonus_lever_has_no_windup():
+    ctl = controller(bonus_gain=0.1, bonus_max=0.05)  # the signal may go down to -0.5 (bonus 0.05 at s = -0.5)
+    drive(ctl, [0.2] * 300)
+    assert ctl.entropy_coeff == 0.05 and ctl.cfg.ki * ctl.integral >= -0.75 - 1e-12
+    after = drive(ctl, [1.3] * 10)
+    flip = next(i for i, r in enumerate(after) if r["control/error"] > 0)
+    assert after[flip]["entropy_coeff"] < 0.05  # off the cap as soon as the error reverses
+    assert after[-1]["entropy_coeff"] == 0.0 and after[-1]["beta1"] > 0.75
+
+
 def test_relative_target_is_a_fraction_of_the_first_measurement():
     ctl = controller(target_mode="relative", target=0.7)
     assert "control/target" not in ctl.metrics()
@@ -109,7 +130,7 @@ def test_smoothing_is_an_ema():
 def test_state_dict_round_trip_resumes_exactly():
     rng = random.Random(0)
     signal = [1.2 + 0.3 * math.sin(i / 3) + rng.gauss(0, 0.05) for i in range(40)] + [None] + [0.6] * 19
-    cfg = dict(target_mode="relative", target=0.8, move_beta2=True, beta1_max=1.2, ema=0.4)
+    cfg = dict(target_mode="relative", target=0.8, move_beta2=True, beta1_max=1.2, ema=0.4, bonus_gain=0.2)
     full = drive(controller(**cfg), signal)
     first = controller(**cfg)
     drive(first, signal[:25])
@@ -117,6 +138,7 @@ def test_state_dict_round_trip_resumes_exactly():
     resumed = controller(**cfg)
     resumed.load_state_dict(state)
     assert drive(resumed, signal[25:]) == full[25:]  # exact, not approximately
+    assert max(r["entropy_coeff"] for r in full) > 0  # the bonus lever was part of what resumed
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -142,6 +164,8 @@ def test_config_loads_validates_and_round_trips(tmp_path):
     (["algorithm.entropy_control.band=1.5"], "band"),
     (["algorithm.entropy_control.ema=0"], "ema"),
     (["algorithm.entropy_control.kp=-1"], "kp"),
+    (["algorithm.entropy_control.bonus_gain=-0.1"], "bonus_gain"),
+    (["algorithm.entropy_control.bonus_max=inf"], "bonus_max"),
     (["algorithm.entropy_control.beta1_max=0.5"], "beta1_min / beta1_max"),  # below the starting beta1 0.75
     (["algorithm.entropy_control.beta1_max=20"], "beta1_max / beta2_max"),  # beta1 (1 - eps_low) >= clip_ratio_c
     (["algorithm.entropy_control.bogus=1"], "unknown config key"),
@@ -186,3 +210,25 @@ def test_trainer_logs_control_each_step_and_resumes_exactly(tiny_config, tmp_pat
         for k in ("reward/mean", "entropy", "pg_loss", "grad_norm", "clip/low_frac", "control/beta1",
                   "control/target", "control/error"):
             assert a[k] == pytest.approx(b[k], rel=1e-5, abs=1e-7), k
+
+
+def test_trainer_applies_the_bonus_lever_in_its_loss(tiny_config, tmp_path, monkeypatch):
+    """Entropy far below the target: the controller's bonus is on, and every loss pass gets it on top of the
+    configured bonus."""
+    import cegppo.engine.trainer as trainer_module
+
+    seen = []
+
+    def recording_policy_loss(*args, **kwargs):
+        seen.append(kwargs["entropy_coeff"])
+        return policy_loss(*args, **kwargs)
+
+    policy_loss = trainer_module.policy_loss
+    monkeypatch.setattr(trainer_module, "policy_loss", recording_policy_loss)
+    lever = ["algorithm.entropy_control.enabled=true", "algorithm.entropy_control.target_mode=absolute",
+             "algorithm.entropy_control.target=50", "algorithm.entropy_control.bonus_gain=0.1",
+             "algorithm.entropy_control.bonus_max=0.02", "algorithm.entropy_coeff=0.001"]
+    tr = trainer_module.Trainer(tiny_config("train.steps=1", *lever, out=tmp_path / "bonus"))
+    rows = tr.train()
+    assert rows[0]["control/entropy_coeff"] == 0.02 and tr.controller.entropy_coeff == 0.02
+    assert seen and all(c == pytest.approx(0.021) for c in seen)

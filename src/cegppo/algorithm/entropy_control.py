@@ -1,10 +1,12 @@
-"""Entropy autopilot: hold a target entropy by steering CE-GPPO's beta1 (and optionally beta2) during training.
+"""Entropy autopilot: hold a target entropy by steering CE-GPPO's beta1 (and optionally beta2 and an entropy bonus)
+during training.
 
 Once per RL step, from the token-mean entropy of the step's rollouts (measured before the updates)::
 
     controller = EntropyController(EntropyControlConfig(enabled=True, target=0.7), beta1=0.75, beta2=1.0)
-    out = controller.update(entropy)   # {"beta1", "beta2", "control/beta1", "control/beta2", "control/target", ...}
+    out = controller.update(entropy)   # {"beta1", "beta2", "entropy_coeff", "control/beta1", "control/target", ...}
     objective = get_objective("ce_gppo", **{**hparams, "beta1": out["beta1"], "beta2": out["beta2"]})
+    # and the loss adds the entropy bonus -out["entropy_coeff"] * H (on top of algorithm.entropy_coeff)
 
 The rule (:meth:`EntropyController.update`) is a proportional-integral controller on the relative error of the
 smoothed entropy, ``e = (H_ema - target) / target`` (positive: too much entropy)::
@@ -12,6 +14,7 @@ smoothed entropy, ``e = (H_ema - target) / target`` (positive: too much entropy)
     s      = kp * e + ki * I                      # the control signal, in beta units ("lower the entropy by")
     beta1  = clip(beta1_0 + s, beta1_min, beta1_max)
     beta2  = clip(beta2_0 - (beta1_0 + s - beta1), beta2_min, beta2_max)   # only with move_beta2; else beta2_0
+    bonus  = clip(-bonus_gain * s, 0, bonus_max)                           # entropy-bonus coefficient (s < 0 only)
 
 What it rests on (``benchmarks/results/entropy_dynamics.md``): **raising beta1 lowers entropy**, beyond 2 SE in
 every contrast we measured, so entropy above the target raises beta1. beta2 moves only when enabled, and only with
@@ -19,12 +22,17 @@ the part of ``s`` that beta1 could not take (beta1 at a bound). Its sign is the 
 keeps more gradient on positive-advantage tokens past the clip, which raises entropy, so entropy above the target
 *lowers* beta2); our measurements did **not** establish it (0 of 3 contrasts beyond 2 SE), hence off by default.
 
+beta1 is a one-sided lever in practice: at beta1 = 0 CE-GPPO is plain PPO clipping, and entropy still falls by
+itself in most runs (``benchmarks/results/entropy_control.md``). The entropy bonus is the lever that raises it, so
+with ``bonus_gain`` > 0 a negative signal (too little entropy) also adds an entropy bonus ``bonus_gain * |s|``,
+capped at ``bonus_max``: the two levers push the same way, beta1 down and the bonus up (off by default).
+
 Choices, all in :meth:`EntropyController.update`:
 
 - Smoothing: an exponential moving average of the measured entropy (``ema`` is the new value's weight; 1 = none).
 - Inside the band (``|e| <= band``) the integral is frozen: the proportional term still acts (the output stays
   continuous at the band's edges), but noise around the target does not accumulate into a drift.
-- Anti-windup: no integration while the output is saturated (every beta it may move is at a bound) and the error
+- Anti-windup: no integration while the output is saturated (every lever it may move is at a bound) and the error
   pushes further; and the integral term alone never exceeds the output's range, so the output leaves a bound on
   the first step the error changes sign.
 - Steps without a measurement (``None``/NaN: no rollout kept) leave everything unchanged.
@@ -62,6 +70,8 @@ class EntropyControlConfig:
     move_beta2: bool = False  # also move beta2 once beta1 is at a bound (its effect is not established)
     beta2_min: float = 0.5
     beta2_max: float = 1.5
+    bonus_gain: float = 0.0  # entropy-bonus coefficient per unit of negative signal (0: no bonus lever)
+    bonus_max: float = 0.05  # the largest entropy-bonus coefficient it may apply
 
 
 def validate_entropy_control(cfg: EntropyControlConfig, objective: str, hparams: dict[str, Any],
@@ -88,6 +98,8 @@ def validate_entropy_control(cfg: EntropyControlConfig, objective: str, hparams:
     for key in ("kp", "ki"):
         need(finite(getattr(cfg, key)) and getattr(cfg, key) >= 0, key, "a finite number >= 0", getattr(cfg, key))
     need(finite(cfg.ema) and 0 < cfg.ema <= 1, "ema", "in (0, 1]", cfg.ema)
+    for key in ("bonus_gain", "bonus_max"):
+        need(finite(getattr(cfg, key)) and getattr(cfg, key) >= 0, key, "a finite number >= 0", getattr(cfg, key))
     from cegppo.algorithm.objectives import OBJECTIVES, get_objective
 
     hp = {**OBJECTIVES[objective].defaults, **hparams}
@@ -113,14 +125,18 @@ class EntropyController:
         self.target: float | None = cfg.target if cfg.target_mode == "absolute" else None
         self.error = 0.0
         self.beta1, self.beta2 = self.beta1_0, self.beta2_0
+        self.entropy_coeff = 0.0  # the entropy bonus it applies (bonus_gain > 0)
         self.updates = 0
 
-    # the range of the control signal s: how far beta1 (then beta2) can move from where they started
+    # the range of the control signal s: how far beta1 (then beta2) can move from where they started, and on the
+    # low side how far s must go for the bonus to reach bonus_max
     def _signal_range(self) -> tuple[float, float]:
         c = self.cfg
         up, down = c.beta1_max - self.beta1_0, c.beta1_min - self.beta1_0
         if c.move_beta2:
             up, down = up + (self.beta2_0 - c.beta2_min), down - (c.beta2_max - self.beta2_0)
+        if c.bonus_gain > 0:
+            down = min(down, -c.bonus_max / c.bonus_gain)
         return down, up
 
     def update(self, entropy: float | None) -> dict[str, float]:
@@ -141,14 +157,15 @@ class EntropyController:
             self.beta1 = min(max(self.beta1_0 + s, c.beta1_min), c.beta1_max)
             if c.move_beta2:  # only what beta1 could not take, with the assumed (unestablished) opposite sign
                 self.beta2 = min(max(self.beta2_0 - (self.beta1_0 + s - self.beta1), c.beta2_min), c.beta2_max)
+            self.entropy_coeff = min(max(-c.bonus_gain * s, 0.0), c.bonus_max)  # too little entropy: a bonus
             self.error = e
             self.updates += 1
-        return {"beta1": self.beta1, "beta2": self.beta2, **self.metrics()}
+        return {"beta1": self.beta1, "beta2": self.beta2, "entropy_coeff": self.entropy_coeff, **self.metrics()}
 
     def metrics(self) -> dict[str, float]:
         """The ``control/*`` metrics of the current state (target and smoothed entropy once measured)."""
         out = {"control/beta1": self.beta1, "control/beta2": self.beta2, "control/error": self.error,
-               "control/integral": self.integral}
+               "control/integral": self.integral, "control/entropy_coeff": self.entropy_coeff}
         if self.target is not None:
             out["control/target"] = self.target
         if self.smoothed is not None:
@@ -159,12 +176,13 @@ class EntropyController:
         """JSON-able state (floats round-trip exactly through ``json``)."""
         return {"config": asdict(self.cfg), "beta1_0": self.beta1_0, "beta2_0": self.beta2_0,
                 "integral": self.integral, "smoothed": self.smoothed, "target": self.target, "error": self.error,
-                "beta1": self.beta1, "beta2": self.beta2, "updates": self.updates}
+                "beta1": self.beta1, "beta2": self.beta2, "entropy_coeff": self.entropy_coeff, "updates": self.updates}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore the dynamic state; the configuration stays this controller's (a resumed run's config wins)."""
         for key in ("beta1_0", "beta2_0", "integral", "smoothed", "target", "error", "beta1", "beta2", "updates"):
             setattr(self, key, state[key])
+        self.entropy_coeff = state.get("entropy_coeff", 0.0)  # absent in states saved before the bonus lever
         if self.cfg.target_mode == "absolute":
             self.target = self.cfg.target
 

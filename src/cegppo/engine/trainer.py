@@ -156,8 +156,8 @@ class Trainer:
 
     def steer(self, entropy: Tensor) -> dict:
         """Entropy autopilot (``algorithm.entropy_control``): update the controller from the rollouts' entropy
-        (``[sum, tokens]``, :func:`entropy_sum`),
-        rebuild the objective with its betas, keep its state for the checkpoint; returns the ``control/*`` metrics."""
+        (``[sum, tokens]``, :func:`entropy_sum`), rebuild the objective with its betas (its entropy bonus is read by
+        :meth:`entropy_coeff`), keep its state for the checkpoint; returns the ``control/*`` metrics."""
         if self.controller is None:
             return {}
         out = self.controller.update(float(entropy[0] / entropy[1].clamp(min=1)))
@@ -165,6 +165,10 @@ class Trainer:
                                                                "beta2": out["beta2"]})
         self.state["entropy_control"] = self.controller.state_dict()
         return {k: v for k, v in out.items() if k.startswith("control/")}
+
+    def entropy_coeff(self) -> float:
+        """The entropy-bonus coefficient of this step's loss: the configured one plus the autopilot's bonus lever."""
+        return self.cfg.algorithm.entropy_coeff + (self.controller.entropy_coeff if self.controller else 0.0)
 
     def collect(self, step: int) -> tuple[Experience | None, dict]:
         """Generate, grade and compute advantages; with dynamic sampling keep only mixed-reward groups,
@@ -280,7 +284,7 @@ class Trainer:
             loss, m = policy_loss(
                 self.objective, lp, exp.old_log_prob[rows], exp.advantages[rows], mask[rows], agg=a.agg,
                 token_weights=weights,
-                num_tokens=n_tok, num_seqs=len(mb), entropy=ent, collision=col, entropy_coeff=a.entropy_coeff,
+                num_tokens=n_tok, num_seqs=len(mb), entropy=ent, collision=col, entropy_coeff=self.entropy_coeff(),
                 ref_log_prob=None if exp.ref_log_prob is None else exp.ref_log_prob[rows], kl_coeff=a.kl_coeff,
                 correct=exp.correct[rows], positive_loss_coeff=a.positive_loss_coeff, num_correct_tokens=n_correct_tok,
                 prob_threshold=a.prob_threshold)

@@ -188,7 +188,7 @@ class CEGPPOTrainer(GRPOTrainer):
         loss, metrics = policy_loss(
             self.objective, per_token_logps, old_per_token_logps, advantages, mask, agg="token-mean",
             num_tokens=normalizer, token_weights=math.prod(weights) if weights else None, entropy=entropies,
-            entropy_coeff=self._entropy_coefficient(entropies, mask, entropy_mask, mode),
+            entropy_coeff=self._entropy_coefficient(entropies, mask, entropy_mask, mode) + self._control_bonus(),
             ref_log_prob=inputs.get("ref_per_token_logps"), kl_coeff=self.beta, kl_weights=kl_weights)
 
         if self.aux_loss_enabled:
@@ -232,6 +232,10 @@ class CEGPPOTrainer(GRPOTrainer):
         for k, v in out.items():
             if k.startswith("control/"):
                 self._metrics["train"][k].append(v)
+
+    def _control_bonus(self) -> float:
+        """The autopilot's entropy-bonus lever (``bonus_gain`` > 0), added to TRL's own bonus."""
+        return 0.0 if self.entropy_controller is None else self.entropy_controller.entropy_coeff
 
     def _save_checkpoint(self, model: Any, trial: Any) -> None:
         super()._save_checkpoint(model, trial)
