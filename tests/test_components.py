@@ -269,3 +269,26 @@ def test_token_stats_compute_only_the_columns_their_rows_use(tiny_config):
         keep = max(response_len[i] for i in rows.tolist())
         assert not lp[:, keep:].any() and not ent[:, keep:].any()
     tr.close()
+
+
+def test_micro_batch_tokens_bound_each_forward_pass(tiny_config):
+    """With train.micro_batch_tokens, a micro-batch holds rows x (longest prompt + longest response) <= the budget
+    (a single row may exceed it), every row once, longest first; the row limit still applies."""
+    from cegppo.engine.trainer import Trainer
+
+    tr = Trainer(tiny_config("train.steps=1", "rollout.max_new_tokens=24", "train.micro_batch_size=5"))
+    exp, _ = tr.collect(step=1)
+    rb = exp.rollouts
+    prompt_len, response_len = rb.lengths
+    budget = int(2.5 * max(p + max(1, r) for p, r in zip(prompt_len, response_len)))  # two long rows fit, not three
+    tr.cfg.train.micro_batch_tokens = budget
+    batches = tr.micro_batches(rb, torch.arange(len(response_len)))
+    assert sorted(torch.cat(batches).tolist()) == list(range(len(response_len)))
+    sizes = []
+    for rows in batches:
+        idx = rows.tolist()
+        width = max(prompt_len[i] for i in idx) + max(max(1, response_len[i]) for i in idx)
+        assert len(idx) <= 5 and (len(idx) == 1 or len(idx) * width <= budget)
+        sizes.append(len(idx))
+    assert 1 < max(sizes) < 5  # the budget, not the row limit, shaped them
+    tr.close()

@@ -55,11 +55,12 @@ def test_clipping_occurs_when_minibatches_go_off_policy(tiny_config):
     assert r["clip/low_frac"] == 0 and r["clip/high_frac"] == 0 and abs(r["ppo_kl"]) < 1e-6
 
 
-def test_micro_batch_invariance_of_the_update(tiny_config, tmp_path):
+@pytest.mark.parametrize("smaller", ["train.micro_batch_size=3", "train.micro_batch_tokens=150"])
+def test_micro_batch_invariance_of_the_update(tiny_config, tmp_path, smaller):
     params = []
-    for micro in (16, 3):
-        tr = Trainer(tiny_config("train.steps=1", "train.mini_batches=2", f"train.micro_batch_size={micro}",
-                                 "train.save_every=0", out=tmp_path / f"m{micro}"))
+    for name, micro in (("m16", "train.micro_batch_size=16"), ("small", smaller)):
+        tr = Trainer(tiny_config("train.steps=1", "train.mini_batches=2", micro,
+                                 "train.save_every=0", out=tmp_path / name))
         tr.train()
         params.append(torch.cat([p.detach().flatten() for p in tr.model.parameters()]))
     # AdamW moves each weight by at most lr (1e-3) per step: 1e-5 is 1% of one update. Float sums grouped

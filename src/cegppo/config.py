@@ -145,6 +145,7 @@ class TrainConfig:
     mini_batches: int = 4  # optimizer steps per RL step (later ones are off-policy: clipping matters)
     ppo_epochs: int = 1
     micro_batch_size: int = 16  # sequences per forward/backward (the global token-mean stays exact)
+    micro_batch_tokens: int = 0  # > 0: also at most this many (rows x columns) tokens per forward/backward
     save_every: int = 10
     keep_checkpoints: int = 2
     max_bad_steps: int = 3  # stop after this many consecutive steps with a non-finite loss or gradient
@@ -640,6 +641,7 @@ def validate(cfg: Config) -> None:
     need(t.mini_batches >= 1, "train.mini_batches", ">= 1", t.mini_batches)
     need(t.ppo_epochs >= 1, "train.ppo_epochs", ">= 1", t.ppo_epochs)
     need(t.micro_batch_size >= 1, "train.micro_batch_size", ">= 1", t.micro_batch_size)
+    need(t.micro_batch_tokens >= 0, "train.micro_batch_tokens", ">= 0 (0 = rows only)", t.micro_batch_tokens)
     need(t.save_every >= 0, "train.save_every", ">= 0 (0 = no checkpoints)", t.save_every)
     need(t.keep_checkpoints >= 1, "train.keep_checkpoints", ">= 1", t.keep_checkpoints)
     need(t.max_bad_steps >= 1, "train.max_bad_steps", ">= 1", t.max_bad_steps)

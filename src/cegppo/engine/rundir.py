@@ -58,6 +58,7 @@ FIXED_KEYS = (
 MUTABLE_KEYS = (
     "output_dir",
     "train.steps", "train.save_every", "train.keep_checkpoints", "train.max_bad_steps", "train.micro_batch_size",
+    "train.micro_batch_tokens",
     "train.threads", "train.deterministic",
     "optim.lr", "optim.grad_clip",
     "eval.*", "logging.*",

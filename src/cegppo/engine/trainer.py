@@ -240,10 +240,22 @@ class Trainer:
         return tuple(x if x is None else torch.nn.functional.pad(x, (0, rb.response_len - keep)) for x in out)
 
     def micro_batches(self, rb: RolloutBatch, rows: Tensor) -> list[Tensor]:
-        """``rows`` in micro-batches of similar length (longest first), so that little padding is computed on."""
+        """``rows`` in micro-batches of similar length (longest first), so that little padding is computed on: at
+        most ``train.micro_batch_size`` rows and, with ``train.micro_batch_tokens``, at most that many tokens in the
+        forward pass (rows x the columns :meth:`token_stats` keeps), which bounds the activations kept for backward."""
         prompt_len, response_len = rb.lengths
-        rows = sorted(rows.tolist(), key=lambda i: -(prompt_len[i] + response_len[i]))
-        return list(torch.tensor(rows, dtype=torch.long).split(self.cfg.train.micro_batch_size)) if rows else []
+        size, budget = self.cfg.train.micro_batch_size, self.cfg.train.micro_batch_tokens
+        out: list[list[int]] = []
+        wp = wr = 0  # the current micro-batch's columns: its longest prompt + its longest response
+        for i in sorted(rows.tolist(), key=lambda i: -(prompt_len[i] + response_len[i])):
+            p, r = max(wp, prompt_len[i]), max(wr, response_len[i], 1)
+            if out and len(out[-1]) < size and not (budget and (len(out[-1]) + 1) * (p + r) > budget):
+                out[-1].append(i)
+                wp, wr = p, r
+            else:  # a new micro-batch (at least one row, however long)
+                out.append([i])
+                wp, wr = prompt_len[i], max(response_len[i], 1)
+        return [torch.tensor(mb, dtype=torch.long) for mb in out]
 
     @torch.no_grad()
     def old_log_probs(self, exp: Experience, skip: Tensor) -> Tensor:
@@ -253,8 +265,10 @@ class Trainer:
         skipped = set(skip.tolist())
         todo = torch.tensor([i for i in range(B) if i not in skipped], dtype=torch.long)
         exp.old_log_prob, entropy = torch.zeros(B, T), torch.zeros(2)
-        for i, rows in enumerate(self.micro_batches(exp.rollouts, todo)):
-            self.progress.heartbeat(f"{i * self.cfg.train.micro_batch_size}/{len(todo)} sequences")
+        done = 0
+        for rows in self.micro_batches(exp.rollouts, todo):
+            self.progress.heartbeat(f"{done}/{len(todo)} sequences")
+            done += len(rows)
             lp, ent, _ = self.token_stats(self.model, exp.rollouts, rows)
             exp.old_log_prob[rows] = lp
             entropy += entropy_sum(ent, exp.mask[rows])
@@ -274,8 +288,10 @@ class Trainer:
         n_correct_tok = (mask[mb] * exp.correct[mb, None]).sum().clamp(min=1)
         self.optimizer.zero_grad(set_to_none=True)
         finite_loss = torch.tensor(True)
-        for i, rows in enumerate(self.micro_batches(exp.rollouts, mb)):
-            self.progress.heartbeat(f"{i * self.cfg.train.micro_batch_size}/{len(mb)} sequences")
+        done = 0
+        for rows in self.micro_batches(exp.rollouts, mb):
+            self.progress.heartbeat(f"{done}/{len(mb)} sequences")
+            done += len(rows)
             lp, ent, col = self.token_stats(self.model, exp.rollouts, rows, collision=True)
             if on_policy_entropy is not None:  # the policy that generated: ratio exactly 1
                 exp.old_log_prob[rows] = lp.detach()
