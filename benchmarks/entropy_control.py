@@ -258,7 +258,7 @@ def plot(runs: list[dict], out: Path) -> str:
                             marker=marker, ms=3, label=f"{key} (seed {r['seed']})")
                 pts = [(s, c) for s, c in zip(r["steps"], r.get("entropy_coeff") or []) if c]
                 if pts:  # the bonus lever, on its own scale
-                    cx = twins.setdefault(col, bx.twinx())
+                    cx = twins[col] if col in twins else twins.setdefault(col, bx.twinx())
                     cx.plot([p[0] for p in pts], [p[1] for p in pts], color=colors[r["label"]], ls=styles[r["seed"]],
                             marker="^", ms=3, alpha=0.7)
                     cx.set_ylabel("autopilot bonus (^)")

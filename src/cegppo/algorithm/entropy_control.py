@@ -157,7 +157,7 @@ class EntropyController:
             self.beta1 = min(max(self.beta1_0 + s, c.beta1_min), c.beta1_max)
             if c.move_beta2:  # only what beta1 could not take, with the assumed (unestablished) opposite sign
                 self.beta2 = min(max(self.beta2_0 - (self.beta1_0 + s - self.beta1), c.beta2_min), c.beta2_max)
-            self.entropy_coeff = min(max(-c.bonus_gain * s, 0.0), c.bonus_max)  # too little entropy: a bonus
+            self.entropy_coeff = min(max(0.0, -c.bonus_gain * s), c.bonus_max)  # too little entropy: a bonus
             self.error = e
             self.updates += 1
         return {"beta1": self.beta1, "beta2": self.beta2, "entropy_coeff": self.entropy_coeff, **self.metrics()}
