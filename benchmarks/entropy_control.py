@@ -33,6 +33,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -112,7 +113,7 @@ def measure_noise(conf: dict, seed: int, sz: dict, args, data_dir: Path, runs_di
     import torch
 
     from cegppo.config import load_config
-    from cegppo.engine.trainer import Trainer
+    from cegppo.engine.trainer import Trainer, entropy_mean
 
     t0 = time.perf_counter()
     tr = Trainer(load_config(None, trainer_overrides(conf, seed, sz, args, data_dir, runs_dir / f"noise-seed{seed}")),
@@ -121,11 +122,10 @@ def measure_noise(conf: dict, seed: int, sz: dict, args, data_dir: Path, runs_di
     for step in range(1, args.noise_batches + 1):
         exp, _ = tr.collect(step)
         if exp is not None:  # dynamic sampling kept some groups
-            h = tr.old_log_probs(exp, skip=torch.empty(0, dtype=torch.long))
-            entropies.append(float(h[0] / h[1].clamp(min=1)))
+            entropies.append(entropy_mean(tr.old_log_probs(exp, skip=torch.empty(0, dtype=torch.long))))
     tr.close()
-    mean, _ = mean_sem(entropies)
-    sd = math.sqrt(sum((h - mean) ** 2 for h in entropies) / (len(entropies) - 1)) if len(entropies) > 1 else math.nan
+    mean = statistics.fmean(entropies)
+    sd = statistics.stdev(entropies) if len(entropies) > 1 else math.nan
     rec = dict(seed=seed, entropies=entropies, mean=mean, sd=sd, floor=math.sqrt(2 / math.pi) * sd / mean,
                commit=commit, wall_s=time.perf_counter() - t0)
     print(f"noise: {len(entropies)} rollout batches of the starting policy, H = {mean:.4f} +- sd {sd:.4f} "
@@ -341,6 +341,7 @@ def report(result: dict, figure: str) -> str:
 
 
 def write(result: dict, out: Path) -> None:
+    out.mkdir(parents=True, exist_ok=True)
     figure = plot(result["runs"], out)
     atomic_write_json(out / "entropy_control.json", result)
     atomic_write_text(out / "entropy_control.md", report(result, figure))
@@ -420,7 +421,7 @@ def main() -> None:
     if args.collect:
         missing = [f"{c['label']} seed {seed}" for seed in sz["seeds"] for c in confs
                    if not any(r["label"] == c["label"] and r["seed"] == seed for r in runs)]
-        commits = sorted({r["commit"] for r in runs} | {n.get("commit", args.collect) for n in noise})
+        commits = sorted({r["commit"] for r in runs} | {n["commit"] for n in noise})
         commit = f"{', '.join(commits)} (the runs; report collected at {commit})"
     result = dict(command="python benchmarks/entropy_control.py " + " ".join(sys.argv[1:]), commit=commit,
                   torch=torch.__version__,

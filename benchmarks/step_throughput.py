@@ -305,7 +305,9 @@ def report(result: dict) -> str:
     phases = ("load", "generate", "old log-probs", "updates")
     if any(r.get("phase_peak_rss_gib") for r in summ.values()):
         lines += ["", "Where the memory goes: the highest resident set sampled (every 20 ms) in each phase, GiB "
-                  "(load: the process up to its first step).", "", "| | " + " | ".join(phases) + " |",
+                  "(load: the process up to its first step). The allocator keeps what an earlier phase freed, so a phase's figure "
+                  "can include memory an earlier phase (or step) took: the first phase to reach the peak is the one that "
+                  "needs it.", "", "| | " + " | ".join(phases) + " |",
                   "|---|" + "---|" * len(phases)]
         lines += [f"| {k} | " + " | ".join(f"{r['phase_peak_rss_gib'].get(p, float('nan')):.2f}" for p in phases) + " |"
                   for k, r in summ.items() if r.get("phase_peak_rss_gib")]

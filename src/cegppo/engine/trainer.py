@@ -41,6 +41,11 @@ def entropy_sum(entropy: Tensor, mask: Tensor) -> Tensor:
     return torch.stack([(entropy * mask).sum(), mask.sum()])
 
 
+def entropy_mean(stats: Tensor) -> float:
+    """The token-mean entropy of :func:`entropy_sum` totals (0 when there were no tokens)."""
+    return float(stats[0] / stats[1].clamp(min=1))
+
+
 @dataclass
 class Experience:
     """One step's training data: rollouts plus what the update needs, all ``[B, ...]`` tensors."""
@@ -143,7 +148,7 @@ class Trainer:
                 self.progress.phase(f"update {i}/{len(mini_batches)}")
                 if len(mb):
                     skipped += not self.update(exp, mb, acc, step, entropy if i == 1 and len(fresh) else None)
-            metrics["entropy"] = float(entropy[0] / entropy[1].clamp(min=1))  # the rollout policy's, every response
+            metrics["entropy"] = entropy_mean(entropy)  # the rollout policy's, every response
             self.engine.sync(self.model)  # the weights changed: copy them into the rollout engine
         metrics["lr"] = self.optimizer.param_groups[0]["lr"]
         self.scheduler.step()  # once per training step, as the authors' LambdaLR
@@ -160,7 +165,7 @@ class Trainer:
         :meth:`entropy_coeff`), keep its state for the checkpoint; returns the ``control/*`` metrics."""
         if self.controller is None:
             return {}
-        out = self.controller.update(float(entropy[0] / entropy[1].clamp(min=1)))
+        out = self.controller.update(entropy_mean(entropy))
         self.objective = get_objective(self.objective.name, **{**self.objective.hparams, "beta1": out["beta1"],
                                                                "beta2": out["beta2"]})
         self.state["entropy_control"] = self.controller.state_dict()
