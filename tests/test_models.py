@@ -170,3 +170,15 @@ def test_smollm2_preset(cache, monkeypatch):
     assert tok.padding_side == "left" and "<|im_start|>" in tok.chat_template
     outs = _generate(model, tok)
     assert all(isinstance(o, str) for o in outs) and any(o.strip() for o in outs)
+
+
+def test_resolve_device():
+    from cegppo.engine.models import resolve_device
+
+    assert resolve_device("cpu") == "cpu"
+    assert resolve_device("auto") == ("cuda" if torch.cuda.is_available() else "cpu")
+    with pytest.raises(ModelLoadError, match=r"^--device: 'gpu'; expected auto, cpu, cuda or cuda:N$"):
+        resolve_device("gpu", key="--device")
+    if not torch.cuda.is_available():  # a GPU asked for on a machine without one: one line, before any model loads
+        with pytest.raises(ModelLoadError, match=r"^model\.device: 'cuda:1', but this torch .* sees no CUDA GPU"):
+            resolve_device("cuda:1")

@@ -197,6 +197,8 @@ def test_every_float_rejects_nan_and_inf(key, value):
     ("rollout.backend=sglang", r"rollout\.backend must be 'hf' or 'vllm'"),
     ("rollout.tis_cap=2", r"rollout\.tis_cap must be 0 unless rollout\.backend=vllm"),
     ("model.fused_lm_head=sometimes", r"model\.fused_lm_head must be true, false or auto"),
+    ("model.device=gpu", r"model\.device must be auto, cpu, cuda or cuda:N"),
+    ("model.device=cuda:x", r"model\.device must be auto, cpu, cuda or cuda:N"),
     ("reward.overlong_penalty=-1", r"reward\.overlong_penalty must be a finite number >= 0"),
     ("train.steps=" + "x" * 10_000, r"train\.steps: expected int, got str 'xxx"),
     ("a..b=1", r"override key 'a\.\.b': expected dotted names"),

@@ -67,7 +67,7 @@ def cmd_eval(args) -> int:
     temperature, top_p = (0.0, 1.0) if args.greedy else (args.temperature, args.top_p)
     req = EvalRequest(args.model, args.data, args.k, Sampling(temperature, top_p, 0, args.max_new_tokens),
                       args.num_problems, args.difficulty, args.reward, args.dtype, args.max_prompt_tokens,
-                      args.batch_prompts, args.seed)
+                      args.batch_prompts, args.seed, args.device)
     how = "greedy" if temperature == 0 else f"sampling at temperature {temperature:g}, top-p {top_p:g}"
     log.info("cegppo eval: k=%d, %s, up to %d new tokens", args.k, how, args.max_new_tokens)
     result = run_eval(req)
@@ -159,6 +159,7 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float32"],
                    help="generation dtype; auto: bfloat16 where bf16 is fast (GPU, CPU with native bf16)")
     e.add_argument("--batch-prompts", type=int, default=16, help="prompts generated together")
+    e.add_argument("--device", default="auto", help="auto (the GPU when torch sees one, else the CPU), cpu, cuda or cuda:N")
     e.add_argument("--seed", type=int, default=0, help="sampling seed (and built-in task split seed)")
     e.add_argument("--out", help="per-problem results JSONL (and a .summary.json beside it)")
     e.set_defaults(fn=cmd_eval)

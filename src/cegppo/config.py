@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
+import re
 import reprlib
 import types
 import typing
@@ -52,6 +53,8 @@ class ModelConfig:
     # LM head applied in row chunks inside the log-prob/entropy, so no [B, T, V] logits are held: true | false |
     # auto (on for the model types known to compute logits as a plain lm_head(hidden), off for the others)
     fused_lm_head: bool | str = "auto"
+    # where the policy trains and generates: auto (the GPU when torch sees one, else the CPU) | cpu | cuda | cuda:N
+    device: str = "auto"
 
 
 @dataclass
@@ -545,6 +548,8 @@ def validate(cfg: Config) -> None:
     need(m.rollout_dtype in ("auto", "bfloat16", "float32"), "model.rollout_dtype", "auto, bfloat16 or float32",
          m.rollout_dtype)
     need(m.fused_lm_head in (True, False, "auto"), "model.fused_lm_head", "true, false or auto", m.fused_lm_head)
+    need(isinstance(m.device, str) and re.fullmatch(r"auto|cpu|cuda(:\d+)?", m.device) is not None, "model.device",
+         "auto, cpu, cuda or cuda:N", m.device)
 
     d = cfg.data
     need(d.task is None or d.task in TASKS, "data.task", f"null or one of {sorted(TASKS)}", d.task)

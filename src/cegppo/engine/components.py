@@ -81,10 +81,10 @@ def build_reward(spec: str, reward: RewardConfig | None = None, key: str = "rewa
         raise ConfigError(f"{key}: {e}") from None
 
 
-def build_policy(source: str, key: str = "model.name") -> tuple[Any, Any]:
-    """(model, tokenizer) in float32 (the master weights) from a preset, a directory or a checkpoint."""
+def build_policy(source: str, key: str = "model.name", device: str = "cpu") -> tuple[Any, Any]:
+    """(model, tokenizer) in float32 (the master weights) on ``device``, from a preset, a directory or a checkpoint."""
     try:
-        return load_model(source, dtype="float32")
+        return load_model(source, dtype="float32", device=device)
     except ModelLoadError as e:
         raise ModelLoadError(f"{key}: {e}") from None
 
@@ -94,7 +94,7 @@ def build_reference(cfg: Config, policy: torch.nn.Module, resumed: bool) -> torc
     if cfg.algorithm.kl_coeff <= 0:
         return None
     # a fresh run's policy was just loaded from model.name: copy it rather than read it again
-    ref = build_policy(cfg.model.name)[0] if resumed else copy.deepcopy(policy)
+    ref = build_policy(cfg.model.name, device=str(next(policy.parameters()).device))[0] if resumed else copy.deepcopy(policy)
     return ref.eval().requires_grad_(False)
 
 

@@ -17,7 +17,7 @@ from cegppo.data.problems import Problem, load_problems
 from cegppo.data.tasks import make_task
 from cegppo.engine.checkpoint import MANIFEST, CheckpointError, verify_checkpoint
 from cegppo.engine.components import build_policy, build_reward, load_splits
-from cegppo.engine.models import resolve_dtype, resolve_precision
+from cegppo.engine.models import resolve_device, resolve_dtype, resolve_precision
 from cegppo.engine.rollout import HFRollout, Sampling
 from cegppo.engine.rundir import RunInterrupted
 from cegppo.engine.sft import supervised_warmup
@@ -90,9 +90,10 @@ def run_sft(cfg: Config, out: Path, steps: int) -> list[float]:
     """Supervised warm-start of ``model.name`` on the training split's reference solutions, saved to ``out``."""
     train, _ = load_splits(cfg)
     check_data(replace(cfg, sft=replace(cfg.sft, steps=steps)), train)  # before the model loads
-    model, tok = build_policy(cfg.model.name)
+    device = resolve_device(cfg.model.device)
+    model, tok = build_policy(cfg.model.name, device=device)
     losses = supervised_warmup(model, tok, train, cfg.sft, steps=steps, seed=cfg.train.seed,
-                               precision=resolve_precision(cfg.model.precision), progress=cfg.logging.progress)
+                               precision=resolve_precision(cfg.model.precision, device), progress=cfg.logging.progress)
     out.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(out, safe_serialization=True)
     tok.save_pretrained(out)
@@ -114,6 +115,7 @@ class EvalRequest:
     max_prompt_tokens: int = 1024
     batch_prompts: int = 16
     seed: int = 0
+    device: str = "auto"  # auto: the GPU when torch sees one, else the CPU
 
 
 def eval_problems(req: EvalRequest) -> list[Problem]:
@@ -150,10 +152,12 @@ def run_eval(req: EvalRequest) -> EvalResult:
     verify_model_dir(req.model)
     problems = eval_problems(req)
     reward = build_reward(req.reward, key="--reward")
-    model, tok = build_policy(req.model, key="--model")
+    device = resolve_device(req.device, key="--device")
+    model, tok = build_policy(req.model, key="--model", device=device)
     check_prompt_budget(tok, problems, req.max_prompt_tokens, key="--max-prompt-tokens")
     # generation only: the engine runs on the loaded model itself, cast in place
-    engine = HFRollout(model, tok, req.max_prompt_tokens, dtype=getattr(torch, resolve_dtype(req.dtype)), copy=False)
+    engine = HFRollout(model, tok, req.max_prompt_tokens, dtype=getattr(torch, resolve_dtype(req.dtype, device)),
+                       copy=False)
     torch.manual_seed(req.seed)
     progress = Progress("cegppo eval", len(problems), unit="problem")
     try:

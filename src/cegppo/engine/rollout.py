@@ -71,6 +71,12 @@ class RolloutBatch:
         prompt = self.attention_mask[:, : self.input_ids.shape[1] - self.response_len].sum(-1)
         return prompt.tolist(), self.response_mask.sum(-1).tolist()
 
+    def to(self, device: torch.device | str) -> "RolloutBatch":
+        """The batch's tensors on ``device`` (the trainer's: the engines return host tensors)."""
+        return RolloutBatch(self.input_ids.to(device), self.attention_mask.to(device), self.response_mask.to(device),
+                            self.texts, self.truncated.to(device),
+                            None if self.sampled_log_prob is None else self.sampled_log_prob.to(device))
+
     def select(self, rows: Tensor | list[int]) -> "RolloutBatch":
         idx = torch.as_tensor(rows, dtype=torch.long)
         return RolloutBatch(
@@ -187,13 +193,13 @@ class HFRollout:
             kwargs.update(temperature=None, top_p=None, top_k=None)
         if on_token is not None:
             kwargs["streamer"] = _TokenCounter(on_token, sampling.max_new_tokens)
-        outs, training = [], self.model.training
+        outs, training, device = [], self.model.training, next(self.model.parameters()).device
         self.model.eval()  # the policy itself may be in training mode (dropout)
         try:
             for s in range(0, prompt_ids.shape[0], self.max_batch):
-                out = self.model.generate(input_ids=prompt_ids[s : s + self.max_batch],
-                                          attention_mask=prompt_mask[s : s + self.max_batch], **kwargs)
-                outs.append(out[:, prompt_ids.shape[1] :])
+                out = self.model.generate(input_ids=prompt_ids[s : s + self.max_batch].to(device),
+                                          attention_mask=prompt_mask[s : s + self.max_batch].to(device), **kwargs)
+                outs.append(out[:, prompt_ids.shape[1] :].cpu())  # a batch lives on the host; the trainer moves it
         finally:
             self.model.train(training)
         width = max(o.shape[1] for o in outs)

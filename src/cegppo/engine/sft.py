@@ -52,11 +52,12 @@ def supervised_warmup(
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=0.0)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / max(1, cfg.warmup_steps)))
     model.train()
+    device = next(model.parameters()).device
     losses = []
     bar = Progress("cegppo sft (warm-start)", steps, unit="step", enabled=progress)
     for _ in range(steps):
         idx = torch.randint(len(problems), (cfg.batch_size,), generator=g).tolist()
-        input_ids, attention, resp_mask = sft_batch(tokenizer, [problems[i] for i in idx])
+        input_ids, attention, resp_mask = (x.to(device) for x in sft_batch(tokenizer, [problems[i] for i in idx]))
         with autocast(precision, model):
             log_prob, _, _ = sequence_token_stats(model, input_ids, attention, resp_mask.shape[1])
         loss = aggregate(-log_prob, resp_mask, "token-mean")

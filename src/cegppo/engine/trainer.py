@@ -24,7 +24,7 @@ from cegppo.config import Config, check_data, check_prompt_budget, eval_limit
 from cegppo.engine import checkpoint as ckpt
 from cegppo.engine.components import (DataOrder, build_optimizer, build_policy, build_reference, build_reward,
                                       build_rollout, configure_torch, load_splits, set_lr, step_seed)
-from cegppo.engine.models import autocast, resolve_precision
+from cegppo.engine.models import autocast, resolve_device, resolve_precision
 from cegppo.engine.rollout import RolloutBatch, Sampling
 from cegppo.engine.rundir import RunDir, TrainingError
 from cegppo.faults import failpoint
@@ -61,6 +61,11 @@ class Experience:
     def mask(self) -> Tensor:
         return self.rollouts.response_mask.float()
 
+    def to(self, device: torch.device | str) -> Experience:
+        """The step's data on the trainer's device (before any log-probs are filled in)."""
+        return Experience(self.rollouts.to(device), self.rewards.to(device), self.correct.to(device),
+                          self.advantages.to(device))
+
 
 class Trainer:
     """``Trainer(cfg)`` starts a fresh run in ``cfg.output_dir`` (refused if the directory holds another run's
@@ -89,12 +94,14 @@ class Trainer:
         check_data(cfg, self.train_problems, self.test_problems)  # before any model loads
         self.data = DataOrder(self.train_problems, cfg.train.seed)
         source = str(resume_from) if resume_from else cfg.model.name
-        self.model, self.tokenizer = build_policy(source, f"checkpoint {source}" if resume_from else "model.name")
+        self.device = resolve_device(cfg.model.device)
+        self.model, self.tokenizer = build_policy(source, f"checkpoint {source}" if resume_from else "model.name",
+                                                  self.device)
         check_prompt_budget(self.tokenizer, self.train_problems + self.test_problems, cfg.rollout.max_prompt_tokens)
         self.ref_model = build_reference(cfg, self.model, resumed=resume_from is not None)
         if cfg.model.gradient_checkpointing:
             self.model.gradient_checkpointing_enable()
-        self.precision = resolve_precision(cfg.model.precision, next(self.model.parameters()).device.type)
+        self.precision = resolve_precision(cfg.model.precision, self.device)
         fused = cfg.model.fused_lm_head
         self.fused_head = fused_head_supported(self.model) if fused == "auto" else fused
         self.optimizer, self.scheduler = build_optimizer(cfg.optim, self.model)
@@ -135,6 +142,7 @@ class Trainer:
         t_gen = time.perf_counter() - t0
         acc, skipped = MetricAccumulator(), 0
         if exp is not None:
+            exp = exp.to(self.device)
             self.model.train()
             mini_batches = torch.arange(len(exp.rewards)).tensor_split(cfg.train.mini_batches) * cfg.train.ppo_epochs
             # the first mini-batch is still on-policy: its loss pass gives its old log-probs and entropy, so the
@@ -269,7 +277,7 @@ class Trainer:
         B, T = exp.rollouts.response_mask.shape
         skipped = set(skip.tolist())
         todo = torch.tensor([i for i in range(B) if i not in skipped], dtype=torch.long)
-        exp.old_log_prob, entropy = torch.zeros(B, T), torch.zeros(2)
+        exp.old_log_prob, entropy = torch.zeros(B, T, device=self.device), torch.zeros(2, device=self.device)
         done = 0
         for rows in self.micro_batches(exp.rollouts, todo):
             self.progress.heartbeat(f"{done}/{len(todo)} sequences")
@@ -277,7 +285,7 @@ class Trainer:
             lp, ent, _ = self.token_stats(self.model, exp.rollouts, rows)
             exp.old_log_prob[rows] = lp
             entropy += entropy_sum(ent, exp.mask[rows])
-        exp.ref_log_prob = None if self.ref_model is None else torch.zeros(B, T)
+        exp.ref_log_prob = None if self.ref_model is None else torch.zeros(B, T, device=self.device)
         for rows in self.micro_batches(exp.rollouts, torch.arange(B)) if self.ref_model is not None else []:
             exp.ref_log_prob[rows] = self.token_stats(self.ref_model, exp.rollouts, rows)[0]
         return entropy
