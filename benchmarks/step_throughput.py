@@ -14,8 +14,9 @@ The work of one step, the same for both systems: the same weights (the bundled S
 its shuffling off), the same chat template, 8 samples per prompt at temperature 1 (<= 64 new tokens, HF
 ``generate``), the same reward (math-strict), the ce_gppo objective (0.75, 1; eps 0.2), 2 optimizer steps per
 generation in micro-batches of 16 (TRL: ``per_device_train_batch_size=16, gradient_accumulation_steps=2,
-steps_per_generation=4``), AdamW at lr 1e-6, fp32 weights and matmuls (bf16 is emulated on AVX2-only CPUs; with ``--device cuda``
-bf16 autocast over fp32 master weights, TRL's ``bf16=True``), no reference model, torch's default threads.
+steps_per_generation=4``), AdamW at lr 1e-6, one precision policy for both (``--precision auto``: bf16 autocast over fp32 master weights,
+TRL's ``bf16=True``, where bf16 is fast -- a GPU, a CPU with AVX512-BF16/AMX; else fp32, as bf16 is emulated on
+AVX2-only CPUs), no reference model, torch's default threads.
 
 Each system runs in its own process (so its peak RSS is its own), the systems alternate, and the first step of
 every process is a warm-up that is not counted. Per system: seconds per step; generated and trained tokens per
@@ -57,9 +58,9 @@ def on_gpu(s: dict) -> bool:
 
 
 def precision(s: dict) -> str:
-    """The precision policy both systems run under: fp32 on the CPU (bf16 is emulated on AVX2-only CPUs), bf16
-    autocast over fp32 master weights on a GPU."""
-    return "bf16 autocast, fp32 master weights" if on_gpu(s) else "fp32"
+    """The precision policy both systems run under (``--precision``): bf16 matmuls over fp32 master weights where
+    bf16 is fast (a GPU, a CPU with AVX512-BF16/AMX), else fp32 (bf16 is emulated on AVX2-only CPUs)."""
+    return "bf16 autocast, fp32 master weights" if s.get("bf16") else "fp32"  # older results: fp32
 
 
 def peak_memory(s: dict) -> dict:
@@ -116,9 +117,10 @@ def cegppo_worker(s: dict, workdir: Path, overrides: list[str]) -> dict:
     from cegppo.engine.trainer import Trainer
 
     cfg = load_config(None, [
-        f"output_dir={workdir / 'cegppo'}", f"model.name={s['model']}", "model.precision=auto",
-        f"model.device={s.get('device', 'cpu')}",
-        "model.rollout_dtype=auto", f"rollout.n={s['n']}", f"rollout.temperature={s['temperature']}",
+        f"output_dir={workdir / 'cegppo'}", f"model.name={s['model']}", f"model.device={s['device']}",
+        "model.precision=" + ("bf16-autocast" if s["bf16"] else "fp32"),
+        "model.rollout_dtype=" + ("bfloat16" if s["bf16"] else "float32"), f"rollout.n={s['n']}",
+        f"rollout.temperature={s['temperature']}",
         f"rollout.max_new_tokens={s['max_new_tokens']}", "reward.fn=math-strict", "algorithm.objective=ce_gppo",
         "algorithm.hparams=" + json.dumps(dict(beta1=s["beta1"], beta2=s["beta2"], eps_low=s["eps"], eps_high=s["eps"])),
         f"optim.lr={s['lr']}", "optim.warmup_steps=0", f"train.prompts_per_step={s['prompts']}",
@@ -216,7 +218,7 @@ def trl_worker(s: dict, workdir: Path, overrides: list[str]) -> dict:
         max_completion_length=s["max_new_tokens"], temperature=s["temperature"], top_p=1.0,
         max_steps=per_cycle * (s["warmup"] + s["steps"]), learning_rate=s["lr"], lr_scheduler_type="constant",
         weight_decay=0.1, max_grad_norm=1.0, beta=0.0, epsilon=s["eps"], beta1=s["beta1"], beta2=s["beta2"],
-        objective="ce_gppo", shuffle_dataset=False, use_cpu=not on_gpu(s), bf16=on_gpu(s), report_to="none",
+        objective="ce_gppo", shuffle_dataset=False, use_cpu=not on_gpu(s), bf16=s["bf16"], report_to="none",
         save_strategy="no", logging_steps=1, seed=s["seed"], disable_tqdm=True,
         model_init_kwargs={"dtype": torch.float32})
     trainer = Timed(model=str(preset_path(s["model"])), reward_funcs=[math_strict], args=args, train_dataset=ds,
@@ -365,6 +367,9 @@ def main() -> None:
                     help="run this system's workers with another interpreter, e.g. 'cegppo[vllm]=/venv-vllm/bin/python'")
     ap.add_argument("--only", nargs="+", metavar="LABEL", help="measure only these systems (e.g. cegppo trl)")
     ap.add_argument("--quick", action="store_true", help="tiny model, 1 round: a smoke test, not a result")
+    ap.add_argument("--precision", default="auto", choices=["auto", "fp32", "bf16"],
+                    help="both systems' precision policy; auto: bf16 autocast over fp32 master weights where bf16 is "
+                         "fast (a GPU, a CPU with AVX512-BF16/AMX), else fp32")
     ap.add_argument("--device", default="cpu", help="cpu, or cuda: both systems train and generate on the GPU, in bf16 "
                     "autocast over fp32 master weights (on the CPU: fp32)")
     ap.add_argument("--out", type=Path, help=f"results directory (default {RESULTS}; --quick: runs/step_throughput_quick)")
@@ -391,7 +396,10 @@ def main() -> None:
 
     from cegppo.engine.rundir import commit_label
 
+    from cegppo.engine.models import fast_bf16
+
     s = settings(args)
+    s["bf16"] = fast_bf16(args.device) if args.precision == "auto" else args.precision == "bf16"
     measured = systems(args)
     load_before, t0, runs, commit = os.getloadavg()[0], time.perf_counter(), [], commit_label()
     for rnd in range(s["rounds"]):

@@ -236,13 +236,22 @@ def test_rollout_engine_shares_the_policy_only_in_its_dtype(tiny):
     assert same.model is model  # no second copy of the weights to hold or to sync
     same.generate([[{"role": "user", "content": "1+1?"}]], 2, Sampling(1.0, 1.0, 0, 4))
     assert model.training  # generation ran in eval mode and left the policy as it found it
-    other = HFRollout(model, tok, 512, torch.bfloat16)
-    assert other.model is not model and next(other.model.parameters()).dtype == torch.bfloat16
+    kept = HFRollout(model, tok, 512, torch.bfloat16, release=False)
+    assert kept.model is not model and next(kept.model.parameters()).dtype == torch.bfloat16
     assert next(model.parameters()).dtype == torch.float32  # the policy was not cast
+    released = HFRollout(model, tok, 512, torch.bfloat16)  # the default: weights held only while generating
+    assert sum(p.numel() for p in released.model.parameters()) == 0
     with torch.no_grad():
-        next(model.parameters()).add_(1.0)
-    other.sync(model)
-    assert torch.equal(next(other.model.parameters()), next(model.parameters()).to(torch.bfloat16))
+        for p in model.parameters():
+            p.mul_(1.5)
+    kept.sync(model)
+    released.sync(model)  # a no-op: the next rollout casts the current weights
+    assert torch.equal(next(kept.model.parameters()), next(model.parameters()).to(torch.bfloat16))
+    greedy = Sampling(0.0, 1.0, 0, 8)
+    prompts = [[{"role": "user", "content": "2+3?"}], [{"role": "user", "content": "7*6?"}]]
+    a, b = kept.generate(prompts, 1, greedy), released.generate(prompts, 1, greedy)
+    assert torch.equal(a.input_ids, b.input_ids)  # the same (updated) weights generated both
+    assert sum(p.numel() for p in released.model.parameters()) == 0  # and were freed again
 
 
 def test_token_stats_compute_only_the_columns_their_rows_use(tiny_config):

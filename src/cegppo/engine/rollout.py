@@ -156,10 +156,15 @@ class _TokenCounter:
 class HFRollout:
     """Hugging Face ``generate`` (KV cache, batched, left padding) in ``dtype``. ``copy=None``: on a copy of the
     policy when ``dtype`` differs from the policy's, else on the policy itself; ``copy=True``: always a copy;
-    ``copy=False``: the policy itself, cast in place (for callers that only generate, like ``cegppo eval``)."""
+    ``copy=False``: the policy itself, cast in place (for callers that only generate, like ``cegppo eval``).
+
+    A copy holds its weights only while it generates (``release=True``, the default): each :meth:`generate` casts
+    the policy's current weights into it and frees them afterwards, so the updates never hold a second copy of the
+    model, the way vLLM's sleep mode frees its weights between rollouts (a cast of the weights per rollout)."""
 
     def __init__(self, policy: torch.nn.Module, tokenizer, max_prompt_tokens: int = 512,
-                 dtype: torch.dtype = torch.bfloat16, max_batch: int = 64, copy: bool | None = None):
+                 dtype: torch.dtype = torch.bfloat16, max_batch: int = 64, copy: bool | None = None,
+                 release: bool = True):
         self.tokenizer = tokenizer
         self.max_prompt_tokens = max_prompt_tokens
         self.max_batch = max_batch
@@ -168,13 +173,23 @@ class HFRollout:
             copy = any(p.dtype != dtype for p in policy.parameters())
         self.model = (deepcopy(policy) if copy else policy).to(dtype)
         self.eos = eos_ids(tokenizer, policy)
+        self.policy = policy if copy and release else None  # where a released copy takes its weights from
+        self._hold(False)
 
     @torch.no_grad()
     def sync(self, policy: torch.nn.Module) -> None:
-        if policy is self.model:  # generating on the policy itself: nothing to copy
+        if policy is self.model or self.policy is not None:  # the policy itself, or a copy loaded at each rollout
             return
         for dst, src in zip(self.model.parameters(), policy.parameters()):
             dst.copy_(src.detach())
+
+    @torch.no_grad()
+    def _hold(self, weights: bool) -> None:
+        """A released copy: cast the policy's weights in (``True``) or free them (``False``); else nothing."""
+        if self.policy is None:
+            return
+        for dst, src in zip(self.model.parameters(), self.policy.parameters()):  # tied weights: one Parameter
+            dst.data = src.detach().to(self.dtype) if weights else torch.empty(0, dtype=self.dtype, device=src.device)
 
     @torch.no_grad()
     def generate(self, prompts: list[list[dict]], n: int, sampling: Sampling,
@@ -195,12 +210,14 @@ class HFRollout:
             kwargs["streamer"] = _TokenCounter(on_token, sampling.max_new_tokens)
         outs, training, device = [], self.model.training, next(self.model.parameters()).device
         self.model.eval()  # the policy itself may be in training mode (dropout)
+        self._hold(True)
         try:
             for s in range(0, prompt_ids.shape[0], self.max_batch):
                 out = self.model.generate(input_ids=prompt_ids[s : s + self.max_batch].to(device),
                                           attention_mask=prompt_mask[s : s + self.max_batch].to(device), **kwargs)
                 outs.append(out[:, prompt_ids.shape[1] :].cpu())  # a batch lives on the host; the trainer moves it
         finally:
+            self._hold(False)
             self.model.train(training)
         width = max(o.shape[1] for o in outs)
         pad = self.tokenizer.pad_token_id
