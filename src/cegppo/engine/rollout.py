@@ -153,6 +153,20 @@ class _TokenCounter:
         self.calls = -1
 
 
+def _empty_copy(model: torch.nn.Module) -> torch.nn.Module:
+    """A copy of ``model`` whose parameters hold no data (a released copy's weights are cast in at each rollout):
+    copying the weights themselves would take another full-precision copy of the model, however briefly."""
+    params = list(model.parameters())
+    data = [p.data for p in params]
+    try:
+        for p in params:
+            p.data = torch.empty(0, dtype=p.dtype, device=p.device)
+        return deepcopy(model)
+    finally:
+        for p, d in zip(params, data):
+            p.data = d
+
+
 class HFRollout:
     """Hugging Face ``generate`` (KV cache, batched, left padding) in ``dtype``. ``copy=None``: on a copy of the
     policy when ``dtype`` differs from the policy's, else on the policy itself; ``copy=True``: always a copy;
@@ -171,7 +185,7 @@ class HFRollout:
         self.dtype = dtype
         if copy is None:
             copy = any(p.dtype != dtype for p in policy.parameters())
-        self.model = (deepcopy(policy) if copy else policy).to(dtype)
+        self.model = (_empty_copy(policy) if copy and release else deepcopy(policy) if copy else policy).to(dtype)
         self.eos = eos_ids(tokenizer, policy)
         self.policy = policy if copy and release else None  # where a released copy takes its weights from
         self._hold(False)
