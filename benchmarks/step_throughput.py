@@ -41,6 +41,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results"
 SYSTEMS = ("cegppo", "trl")  # the kinds of worker
+# environment variables that change what is measured (the allocator, threads, vLLM's KV cache), recorded with it
+ENV_RECORDED = ("LD_PRELOAD", "OMP_NUM_THREADS", "VLLM_CPU_KVCACHE_SPACE", "CUDA_VISIBLE_DEVICES")
 
 
 def settings(args) -> dict:
@@ -412,7 +414,9 @@ def main() -> None:
                 f"{st['step_s']:.1f} s ({st['trained_tokens'] / st['step_s']:.1f} trained tok/s, len "
                 f"{st['mean_response_length']:.1f})" for st in timed) + f"; peak RSS {r['peak_rss_gib']:.2f} GiB",
                 flush=True)
-    result = dict(command="python benchmarks/step_throughput.py " + shlex.join(sys.argv[1:]), commit=commit,
+    env = {k: v for k, v in os.environ.items() if k in ENV_RECORDED or k.startswith("MALLOC_")}
+    result = dict(command=shlex.join([*(f"{k}={v}" for k, v in env.items()), "python", "benchmarks/step_throughput.py",
+                                      *sys.argv[1:]]), env=env, commit=commit,
                   torch=torch.__version__, threads=torch.get_num_threads(), load_before=load_before,
                   wall_s=time.perf_counter() - t0, settings=s, systems=measured, runs=runs)
     out = args.out or (ROOT / "runs" / "step_throughput_quick" if args.quick else RESULTS)
