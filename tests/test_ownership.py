@@ -370,3 +370,17 @@ def test_eval_refuses_a_checkpoint_that_no_longer_matches_its_manifest(tiny_conf
     (line,) = error_lines(capsys.readouterr().err)
     assert line == (f"cegppo eval: error: --model {path}: this checkpoint no longer matches its manifest "
                     f"(model.safetensors does not match its SHA-256); refusing to evaluate it")
+
+
+def test_provenance_outside_a_git_checkout(tmp_path, monkeypatch):
+    """A copy of the tree without .git (a GPU check's) names its commit in CEGPPO_COMMIT; git wins where it exists."""
+    from cegppo.engine import rundir
+
+    in_git = rundir.provenance()["commit"]
+    monkeypatch.setenv("CEGPPO_COMMIT", "0123456789abcdef")
+    if in_git is not None:  # tests run from a checkout: its own commit is not overridden
+        assert rundir.provenance()["commit"] == in_git
+    monkeypatch.setattr(rundir, "__file__", str(tmp_path / "a" / "src" / "cegppo" / "engine" / "rundir.py"))
+    assert rundir.commit_label() == "0123456"
+    monkeypatch.delenv("CEGPPO_COMMIT")
+    assert rundir.commit_label() == "unknown"

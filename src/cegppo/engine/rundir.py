@@ -112,9 +112,8 @@ def _fmt(v: Any) -> str:
 
 
 def provenance() -> dict:
-    """What produced a result: the command line, cegppo's version and, in a git checkout, the commit."""
-    from importlib.metadata import version
-
+    """What produced a result: the command line, cegppo's version and, in a git checkout, the commit (a copy of the
+    tree without ``.git``, such as the one a GPU check runs in, names it in ``CEGPPO_COMMIT``)."""
     src = Path(__file__).resolve().parents[3]  # the checkout, when cegppo runs from one (pip install -e)
     commit, dirty = None, False
     if (src / ".git").exists():
@@ -125,8 +124,19 @@ def provenance() -> dict:
                                         capture_output=True, text=True, timeout=10).stdout.strip())
         except (OSError, subprocess.SubprocessError):
             pass
+    else:
+        commit = os.environ.get("CEGPPO_COMMIT") or None
     return {"command": " ".join(["cegppo", *sys.argv[1:]]) if Path(sys.argv[0]).name == "cegppo" else " ".join(sys.argv),
-            "cegppo_version": version("cegppo"), "commit": commit, "uncommitted_changes": dirty}
+            "cegppo_version": _version(), "commit": commit, "uncommitted_changes": dirty}
+
+
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("cegppo")
+    except PackageNotFoundError:  # run from a source tree on PYTHONPATH, not installed
+        return "unknown (not installed)"
 
 
 def commit_label() -> str:
