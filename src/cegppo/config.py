@@ -48,7 +48,9 @@ class ModelConfig:
     # auto | fp32 | bf16-autocast (fp32 master weights, bf16 matmuls). auto: bf16-autocast where bf16 is fast (a GPU,
     # a CPU with AVX512-BF16/AMX), else fp32 (on AVX2-only CPUs bf16 is emulated and several times slower)
     precision: str = "auto"
-    rollout_dtype: str = "auto"  # dtype of the generation copy of the policy: auto | bfloat16 | float32
+    # dtype of generation: auto | bfloat16 | float32. Another dtype than the policy's generates on a copy that holds its
+    # weights only while it generates (cast from the policy at each rollout); the same dtype, on the policy itself
+    rollout_dtype: str = "auto"
     gradient_checkpointing: bool = False
     # LM head applied in row chunks inside the log-prob/entropy, so no [B, T, V] logits are held: true | false |
     # auto (on for the model types known to compute logits as a plain lm_head(hidden), off for the others)
