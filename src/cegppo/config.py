@@ -12,7 +12,6 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
-import re
 import reprlib
 import types
 import typing
@@ -536,6 +535,7 @@ def validate(cfg: Config) -> None:
     from cegppo.algorithm.advantages import ESTIMATORS
     from cegppo.algorithm.objectives import AGGREGATIONS, get_objective
     from cegppo.data.tasks import TASKS
+    from cegppo.engine.models import DEVICES
 
     need = _need
     _check_numbers(cfg, "")
@@ -550,7 +550,7 @@ def validate(cfg: Config) -> None:
     need(m.rollout_dtype in ("auto", "bfloat16", "float32"), "model.rollout_dtype", "auto, bfloat16 or float32",
          m.rollout_dtype)
     need(m.fused_lm_head in (True, False, "auto"), "model.fused_lm_head", "true, false or auto", m.fused_lm_head)
-    need(isinstance(m.device, str) and re.fullmatch(r"auto|cpu|cuda(:\d+)?", m.device) is not None, "model.device",
+    need(isinstance(m.device, str) and DEVICES.fullmatch(m.device) is not None, "model.device",
          "auto, cpu, cuda or cuda:N", m.device)
 
     d = cfg.data

@@ -297,14 +297,17 @@ def fast_bf16(device: str = "cpu") -> bool:
     return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
 
 
+DEVICES = re.compile(r"auto|cpu|cuda(:\d+)?")  # what model.device / --device accept
+
+
 def resolve_device(device: str, key: str = "model.device") -> str:
     """``model.device``: ``auto`` is the GPU when torch sees one, else the CPU; a GPU asked for and not there fails."""
     import torch
 
+    if DEVICES.fullmatch(device) is None:
+        raise ModelLoadError(f"{key}: {device!r}; expected auto, cpu, cuda or cuda:N")
     if device == "auto":
         return "cuda" if torch.cuda.is_available() else "cpu"
-    if re.fullmatch(r"cpu|cuda(:\d+)?", device) is None:
-        raise ModelLoadError(f"{key}: {device!r}; expected auto, cpu, cuda or cuda:N")
     if device.startswith("cuda") and not torch.cuda.is_available():
         raise ModelLoadError(f"{key}: {device!r}, but this torch ({torch.__version__}) sees no CUDA GPU; use cpu or auto")
     return device

@@ -12,7 +12,7 @@ precision only changes which samples are drawn.
 from __future__ import annotations
 
 from copy import deepcopy
-from dataclasses import dataclass
+from dataclasses import dataclass, fields, replace
 from functools import cached_property
 from typing import Callable, Protocol
 
@@ -73,9 +73,8 @@ class RolloutBatch:
 
     def to(self, device: torch.device | str) -> "RolloutBatch":
         """The batch's tensors on ``device`` (the trainer's: the engines return host tensors)."""
-        return RolloutBatch(self.input_ids.to(device), self.attention_mask.to(device), self.response_mask.to(device),
-                            self.texts, self.truncated.to(device),
-                            None if self.sampled_log_prob is None else self.sampled_log_prob.to(device))
+        return replace(self, **{f.name: getattr(self, f.name).to(device) for f in fields(self)
+                                if isinstance(getattr(self, f.name), Tensor)})
 
     def select(self, rows: Tensor | list[int]) -> "RolloutBatch":
         idx = torch.as_tensor(rows, dtype=torch.long)
@@ -185,10 +184,10 @@ class HFRollout:
         self.dtype = dtype
         if copy is None:
             copy = any(p.dtype != dtype for p in policy.parameters())
-        self.model = (_empty_copy(policy) if copy and release else deepcopy(policy) if copy else policy).to(dtype)
+        released = copy and release
+        self.model = (_empty_copy(policy) if released else deepcopy(policy) if copy else policy).to(dtype)
         self.eos = eos_ids(tokenizer, policy)
-        self.policy = policy if copy and release else None  # where a released copy takes its weights from
-        self._hold(False)
+        self.policy = policy if released else None  # where a released copy takes its weights from
 
     @torch.no_grad()
     def sync(self, policy: torch.nn.Module) -> None:
