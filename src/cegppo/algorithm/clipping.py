@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import torch
 from torch import Tensor
 
 # log-ratios are clamped before exp (as verl and OpenRLHF do); exp(20) ~ 5e8 is far outside any clip interval
@@ -49,7 +50,9 @@ def log_ratio(log_prob: Tensor, old_log_prob: Tensor) -> Tensor:
 def sequence_log_ratio(log_prob: Tensor, old_log_prob: Tensor, mask: Tensor) -> Tensor:
     """GSPO's ``log s_i``: the mean token log-ratio of each sequence over its mask, ``[B, 1]``."""
     m = mask.to(log_prob.dtype)
-    return (log_ratio(log_prob, old_log_prob) * m).sum(-1, keepdim=True) / m.sum(-1, keepdim=True).clamp(min=1.0)
+    # where, not a product: a NaN/Inf at a masked position must not reach its sequence's ratio
+    masked = torch.where(m != 0, log_ratio(log_prob, old_log_prob) * m, 0.0)
+    return masked.sum(-1, keepdim=True) / m.sum(-1, keepdim=True).clamp(min=1.0)
 
 
 def clip_ratio(log_prob: Tensor, old_log_prob: Tensor, mask: Tensor, bounds: ClipBounds) -> Tensor:

@@ -35,6 +35,11 @@ if TYPE_CHECKING:  # only for the annotation: diagnostics never imports the obje
 QUADRANTS = ("PA_HP", "PA_LP", "NA_HP", "NA_LP")
 
 
+def _masked_sum(values: Tensor, m: Tensor) -> Tensor:
+    """``sum(values * m)`` with the positions where ``m == 0`` selected out: a NaN/Inf there stays out (0 * NaN = NaN)."""
+    return torch.where(m != 0, values * m, 0.0).sum()
+
+
 def metric_weight(name: str, metrics: dict[str, Tensor], n_tokens: Tensor) -> Tensor:
     """Weight of one batch's value of metric ``name`` when averaging it over batches (micro-batches, processes):
     its token count, except a quadrant's mean entropy, which counts the tokens of that quadrant only."""
@@ -55,8 +60,8 @@ def region_metrics(bounds: ClipBounds, log_prob: Tensor, old_log_prob: Tensor, a
     dual = dual_clip_mask(ratio, adv, bounds.clip_ratio_c) if bounds.clip_ratio_c is not None else torch.zeros_like(low)
     out = {name: (region.to(m.dtype) * m).sum() / n
            for name, region in (("clip/low_frac", low), ("clip/high_frac", high), ("clip/dual_frac", dual))}
-    out["ppo_kl"] = (-log_ratio(log_prob, old_log_prob) * m).sum() / n
-    out["ratio/mean"] = (ratio * m).sum() / n
+    out["ppo_kl"] = _masked_sum(-log_ratio(log_prob, old_log_prob), m) / n
+    out["ratio/mean"] = _masked_sum(ratio, m) / n
     return out
 
 
@@ -100,7 +105,7 @@ def quadrant_metrics(
     dh = None
     if collision is not None:  # the expansion is around the current policy: pi(a), H and C are pi's
         F = objective.gradient_weight(log_prob, old_log_prob, advantages, mask)
-        dh = entropy_change_terms(F, adv, log_prob.detach().exp(), entropy, collision) * m
+        dh = torch.where(m != 0, entropy_change_terms(F, adv, log_prob.detach().exp(), entropy, collision) * m, 0.0)
     out: dict[str, Tensor] = {}
     total = torch.zeros((), dtype=log_prob.dtype, device=log_prob.device)
     for q in QUADRANTS:
@@ -108,7 +113,7 @@ def quadrant_metrics(
         qm = sel.to(m.dtype) * m
         cnt = qm.sum()
         out[f"quadrant/{q}/frac"] = cnt / n
-        out[f"quadrant/{q}/entropy"] = (entropy * qm).sum() / cnt.clamp(min=1.0)
+        out[f"quadrant/{q}/entropy"] = _masked_sum(entropy, qm) / cnt.clamp(min=1.0)
         if dh is not None:
             out[f"quadrant/{q}/dH"] = (dh * sel.to(m.dtype)).sum() / n
             total = total + out[f"quadrant/{q}/dH"]

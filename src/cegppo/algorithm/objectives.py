@@ -19,17 +19,19 @@ Aggregation into a scalar (:func:`aggregate`) and the full loss with its extra t
 from __future__ import annotations
 
 import math
+import numbers
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import torch
 from torch import Tensor
 
+from cegppo.algorithm.checks import FLOAT, MASK, check_normaliser, check_tensor
 from cegppo.algorithm.clipping import (ClipBounds, broadcast_advantages, clip_masks, clip_ratio, dual_clip_mask,
                                        log_ratio)
 
-__all__ = ["AGGREGATIONS", "OBJECTIVES", "Objective", "aggregate", "ce_gppo", "check_hparams", "cispo", "clip_cov",
-           "get_objective", "gspo", "kl_cov", "ppo_clip", "register_objective", "with_gradient"]
+__all__ = ["AGGREGATIONS", "OBJECTIVES", "Objective", "aggregate", "ce_gppo", "check_hparams", "check_normaliser",
+           "cispo", "clip_cov", "get_objective", "gspo", "kl_cov", "ppo_clip", "register_objective", "with_gradient"]
 
 
 class _WithGradient(torch.autograd.Function):
@@ -115,7 +117,8 @@ def gspo(log_prob: Tensor, old_log_prob: Tensor, adv: Tensor, mask: Tensor, *, e
 
 
 def _masked_mean(values: Tensor, mask: Tensor) -> Tensor:
-    return (values * mask).sum() / (mask.sum() + 1e-8)  # verl_F.masked_mean, epsilon included
+    # verl_F.masked_mean, epsilon included; where, not a product alone, so a masked NaN stays out
+    return torch.where(mask != 0, values * mask, 0.0).sum() / (mask.sum() + 1e-8)
 
 
 def clip_cov(log_prob: Tensor, old_log_prob: Tensor, adv: Tensor, mask: Tensor, *, eps_low: float = 0.2,
@@ -177,26 +180,41 @@ AGGREGATIONS = ("token-mean", "token-sum", "seq-mean-token-mean", "seq-mean-toke
 
 def aggregate(loss_mat: Tensor, mask: Tensor, agg: str = "token-mean", num_tokens: float | Tensor | None = None,
               num_seqs: float | Tensor | None = None, norm_length: float | None = None) -> Tensor:
-    """Reduce a per-token loss ``[B, T]`` to a scalar over ``mask``.
+    """Reduce a per-token loss ``[B, T]`` to a scalar over ``mask`` (same shape; bool, integer or floating).
 
     ``token-mean`` divides by ``num_tokens`` when given (the mask sum of the whole mini-batch), else by this
     batch's mask sum; the ``seq-mean-*`` modes divide by ``num_seqs`` likewise. ``seq-mean-token-sum-norm``
-    (Dr. GRPO) divides by the constant ``norm_length`` (default: padded T).
+    (Dr. GRPO) divides by the constant ``norm_length`` (default: padded T). Normalisers must be positive and
+    finite (:func:`check_normaliser`); masked positions never contribute, even when they hold NaN or Inf.
     """
+    if agg not in AGGREGATIONS:
+        raise ValueError(f"unknown aggregation {agg!r}; valid: {', '.join(AGGREGATIONS)}")
+    check_tensor("aggregate", "loss_mat", loss_mat, None, FLOAT)
+    check_tensor("aggregate", "mask", mask, tuple(loss_mat.shape), MASK, like=loss_mat, like_name="loss_mat")
+    num_tokens = check_normaliser("aggregate", "num_tokens", num_tokens)
+    num_seqs = check_normaliser("aggregate", "num_seqs", num_seqs)
+    norm_length = check_normaliser("aggregate", "norm_length", norm_length)
+    return _aggregate(loss_mat, mask, agg, num_tokens, num_seqs, norm_length)
+
+
+def _aggregate(loss_mat: Tensor, mask: Tensor, agg: str, num_tokens: float | Tensor | None = None,
+               num_seqs: float | Tensor | None = None, norm_length: float | Tensor | None = None) -> Tensor:
+    """:func:`aggregate` on checked arguments (policy_loss checks once per call, then reduces several terms)."""
     m = mask.to(loss_mat.dtype)
-    masked = loss_mat * m
+    # select, then weight: 0 * NaN is NaN, so a product alone would let a masked NaN/Inf into the sum
+    masked = torch.where(m != 0, loss_mat * m, 0.0)
     if agg == "token-mean":
         return masked.sum() / (m.sum().clamp(min=1.0) if num_tokens is None else num_tokens)
     if agg == "token-sum":
         return masked.sum()
     if agg == "seq-mean-token-sum-norm":
-        return masked.sum() / (loss_mat.shape[-1] if norm_length is None else norm_length)
+        return masked.sum() / (max(loss_mat.shape[-1], 1) if norm_length is None else norm_length)
     seq = masked.sum(-1)
     if agg == "seq-mean-token-mean":
         seq = seq / m.sum(-1).clamp(min=1.0)
     elif agg != "seq-mean-token-sum":
         raise ValueError(f"unknown aggregation {agg!r}; valid: {', '.join(AGGREGATIONS)}")
-    return seq.sum() / (loss_mat.shape[0] if num_seqs is None else num_seqs)
+    return seq.sum() / (max(loss_mat.shape[0], 1) if num_seqs is None else num_seqs)
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -242,28 +260,33 @@ register_objective("gspo", gspo, dict(eps_low=3e-4, eps_high=4e-4), default_agg=
                    sequence_level=True, doc="GSPO sequence-level ratio")
 
 
+OPTIONAL_HPARAMS = ("clip_ratio_c",)  # None turns the feature off
+
+
 def check_hparams(name: str, hp: dict[str, Any]) -> None:
-    """Raise ``ValueError`` naming the first out-of-range hyperparameter."""
+    """Raise ``ValueError`` naming the first out-of-range hyperparameter. A key that is present must hold a
+    finite number (None is refused: only ``clip_ratio_c`` may be None, to turn the dual clip off)."""
     def finite(v: Any) -> bool:
-        return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+        return isinstance(v, numbers.Real) and not isinstance(v, bool) and math.isfinite(v)
 
     for key in ("eps_low", "eps_high"):
         v = hp.get(key)
-        if v is not None and not (finite(v) and 0.0 < v < 1.0):
+        if key in hp and not (finite(v) and 0.0 < v < 1.0):
             raise ValueError(f"{name}: {key} must be a number in (0, 1), got {v!r}")
     for key in ("beta1", "beta2"):
         v = hp.get(key)
-        if v is not None and not (finite(v) and v >= 0.0):
+        if key in hp and not (finite(v) and v >= 0.0):
             raise ValueError(f"{name}: {key} must be a finite number >= 0, got {v!r}")
     for key in ("clip_cov_ratio", "kl_cov_ratio"):  # Clip-Cov / KL-Cov: share of tokens selected
         v = hp.get(key)
-        if v is not None and not (finite(v) and 0.0 < v <= 1.0):
+        if key in hp and not (finite(v) and 0.0 < v <= 1.0):
             raise ValueError(f"{name}: {key} must be a number in (0, 1], got {v!r}")
     if "ppo_kl_coef" in hp and not (finite(hp["ppo_kl_coef"]) and hp["ppo_kl_coef"] >= 0.0):
         raise ValueError(f"{name}: ppo_kl_coef must be a finite number >= 0, got {hp['ppo_kl_coef']!r}")
-    if "clip_cov_lb" in hp and not (finite(hp["clip_cov_lb"]) and finite(hp["clip_cov_ub"])
-                                    and hp["clip_cov_lb"] < hp["clip_cov_ub"]):
-        raise ValueError(f"{name}: need clip_cov_lb < clip_cov_ub, got {hp['clip_cov_lb']!r}, {hp['clip_cov_ub']!r}")
+    if "clip_cov_lb" in hp or "clip_cov_ub" in hp:
+        lb, ub = hp.get("clip_cov_lb"), hp.get("clip_cov_ub")
+        if not (finite(lb) and finite(ub) and lb < ub):
+            raise ValueError(f"{name}: need finite clip_cov_lb < clip_cov_ub, got {lb!r}, {ub!r}")
     c = hp.get("clip_ratio_c")
     if c is not None and not (finite(c) and c > 1.0):
         raise ValueError(f"{name}: clip_ratio_c must be > 1 (or None to disable the dual clip), got {c!r}")
@@ -312,7 +335,7 @@ class Objective:
 
 def get_objective(name: str, **hyperparameters: Any) -> Objective:
     """Build an objective by name. Unknown names, unknown keywords and invalid values raise ``ValueError``."""
-    if name not in OBJECTIVES:
+    if not isinstance(name, str) or name not in OBJECTIVES:
         valid = ", ".join(f"{k} ({v.doc})" for k, v in OBJECTIVES.items())
         raise ValueError(f"unknown objective {name!r}; valid objectives: {valid}")
     spec = OBJECTIVES[name]
@@ -320,5 +343,14 @@ def get_objective(name: str, **hyperparameters: Any) -> Objective:
     if unknown:
         raise ValueError(f"{name}: unknown hyperparameter(s) {unknown}; valid: {sorted(spec.defaults)}")
     hp = {**spec.defaults, **hyperparameters}
-    check_hparams(name, hp)
+    check_hparams(name, hp)  # the known keys, with their ranges
+    # any objective's numeric hyperparameter (registered ones too) must stay a finite number; None only for an
+    # off switch (clip_ratio_c)
+    for key, default in spec.defaults.items():
+        v = hp[key]
+        if v is None and key in OPTIONAL_HPARAMS:
+            continue
+        if isinstance(default, numbers.Real) and not isinstance(default, bool) and not (
+                isinstance(v, numbers.Real) and not isinstance(v, bool) and math.isfinite(v)):
+            raise ValueError(f"{name}: {key} must be a finite number (default {default!r}), got {v!r}")
     return Objective(name, hp)
