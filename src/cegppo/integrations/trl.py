@@ -9,10 +9,10 @@ everything around it, as in TRL 1.16.0's ``loss_type="dapo"``:
   importance-sampling correction, the KL term (``beta`` > 0), the entropy bonus (static or adaptive), and the
   MoE aux loss.
 
-Metrics logged (token-weighted over all processes): TRL's ``entropy``, ``kl``, ``clip_ratio/{low,high,region}_mean``,
-plus ``clip/low_frac``, ``clip/high_frac``, ``clip/dual_frac``, ``ppo_kl``, ``ratio/mean`` and the quadrant metrics
-``quadrant/<Q>/{frac,entropy}`` (Q in PA_HP, PA_LP, NA_HP, NA_LP) of :func:`cegppo.algorithm.diagnostics.quadrant_metrics`,
-using the entropies TRL computes (no ``dH``: that needs the collision term, which TRL does not compute).
+Metrics logged, each the token mean over all micro-batches of the logging window and all processes: TRL's
+``entropy``, ``kl``, ``clip_ratio/{low,high,region}_mean``, plus ``clip/low_frac``, ``clip/high_frac``,
+``clip/dual_frac``, ``ppo_kl``, ``ratio/mean`` and the quadrant metrics ``quadrant/<Q>/{frac,entropy}`` (Q in PA_HP,
+PA_LP, NA_HP, NA_LP) of :func:`cegppo.algorithm.diagnostics.quadrant_metrics`, using the entropies TRL computes (no ``dH``: that needs the collision term, which TRL does not compute).
 
 Entropy autopilot: ``CEGPPOConfig(entropy_control={"enabled": True, "target": 0.7, ...})`` (the fields of
 :class:`cegppo.algorithm.entropy_control.EntropyControlConfig`) runs the same controller as cegppo's trainer, once
@@ -138,6 +138,8 @@ class CEGPPOTrainer(GRPOTrainer):
         self.objective = self.args.build_objective()
         self.entropy_controller = build_controller(self.args.entropy_control, self.objective.hparams)
         self._control_stats: torch.Tensor | None = None  # [sum of entropy, tokens] over the current generation batch
+        # mode -> metric -> [token-weighted sum, weight] over the micro-batches since the last log (this process)
+        self._token_weighted_sums: dict[str, dict[str, torch.Tensor]] = {}
         if is_on_policy(self.args):
             warnings.warn(ON_POLICY_WARNING, UserWarning, stacklevel=2)
 
@@ -293,8 +295,10 @@ class CEGPPOTrainer(GRPOTrainer):
 
     @torch.no_grad()
     def _log_metrics(self, mode: str, metrics: dict[str, torch.Tensor], mask: torch.Tensor) -> None:
-        """Token-weighted means of :func:`policy_loss`'s metrics over all processes, in one reduce (as TRL's
-        ``global_masked_mean``). The quadrants' ``dH`` needs the collision term, which TRL does not compute."""
+        """Add this micro-batch's token-weighted sums (numerator, weight) of :func:`policy_loss`'s metrics to the
+        logging window's; :meth:`log` reduces them over all processes and divides, so each logged value is the
+        token mean over every micro-batch and process of the window (as TRL's ``global_masked_mean`` is for one
+        micro-batch). The quadrants' ``dH`` needs the collision term, which TRL does not compute."""
         n = mask.sum().float()
         names = [k for k in metrics if not k.endswith("/dH") and k != "dH/predicted"]
         parts = {name: (metrics[name] * metric_weight(name, metrics, n), metric_weight(name, metrics, n)) for name in names}
@@ -304,8 +308,19 @@ class CEGPPOTrainer(GRPOTrainer):
         parts["clip_ratio/low_mean"] = parts["clip/low_frac"]
         parts["clip_ratio/high_mean"] = parts["clip/high_frac"]
         parts["clip_ratio/region_mean"] = ((metrics["clip/low_frac"] + metrics["clip/high_frac"]) * n, n)
-        local = torch.stack([torch.stack([num.float(), den.float()]) for num, den in parts.values()])
-        totals = self.accelerator.reduce(local, reduction="sum")
-        values = (totals[:, 0] / totals[:, 1].clamp(min=1.0)).tolist()
-        for name, value in zip(parts, values):
-            self._metrics[mode][name].append(value)
+        window = self._token_weighted_sums.setdefault(mode, {})
+        for name, (num, den) in parts.items():
+            local = torch.stack([num.detach().float(), den.detach().float()])
+            window[name] = local if name not in window else window[name] + local
+
+    def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
+        """TRL's ``log``, with the token-weighted metrics of the window reduced over all processes (one reduce,
+        which every process reaches: the Trainer calls ``log`` on all of them at the same steps)."""
+        mode = "train" if self.model.training else "eval"
+        window = self._token_weighted_sums.pop(mode, {})
+        if window:
+            names = sorted(window)  # the same order on every process
+            totals = self.accelerator.reduce(torch.stack([window[k] for k in names]), reduction="sum")
+            for name, (num, den) in zip(names, totals.tolist()):
+                self._metrics[mode][name] = [num / max(den, 1.0)]
+        super().log(logs, start_time)
