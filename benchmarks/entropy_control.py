@@ -137,15 +137,16 @@ def run_one(conf: dict, seed: int, sz: dict, args, data_dir: Path, runs_dir: Pat
             commit: str) -> dict:
     from cegppo.config import load_config
     from cegppo.engine.trainer import Trainer
+    from cegppo.recipes import held_out_eval, log_eval, train_loop
 
     run_dir = runs_dir / run_name(conf["label"], seed)
     overrides = trainer_overrides(conf, seed, sz, args, data_dir, run_dir)
     t0 = time.perf_counter()
     tr = Trainer(load_config(None, overrides), overwrite=True)  # a rerun replaces its own run directory
     if seed not in base_acc:  # the same weights for every run of a seed: evaluate the start once
-        base_acc[seed] = tr.log_eval("base", tr.evaluate())["accuracy"]
-    tr.train()
-    final = tr.log_eval("final", tr.evaluate())["accuracy"]
+        base_acc[seed] = log_eval(tr, "base", held_out_eval(tr))["accuracy"]
+    train_loop(tr)
+    final = log_eval(tr, "final", held_out_eval(tr))["accuracy"]
     tr.close()
     rows = read_jsonl(run_dir / "metrics.jsonl")
     wall = time.perf_counter() - t0

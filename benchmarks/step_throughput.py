@@ -67,7 +67,7 @@ def precision(s: dict) -> str:
 
 def peak_memory(s: dict) -> dict:
     """The worker's peak resident set and, on a GPU, the most GPU memory torch's allocator held (GiB)."""
-    from cegppo.engine.recipes import peak_rss_mb
+    from cegppo.recipes import peak_rss_mb
 
     out = dict(peak_rss_gib=peak_rss_mb() / 1024)
     if on_gpu(s):

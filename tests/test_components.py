@@ -201,7 +201,7 @@ def test_algorithm_blocks_import_nothing_but_torch():
     """The pure building blocks never pull in transformers, the engine, or the integrations."""
     code = ("import sys, cegppo.algorithm.policy_loss, cegppo.algorithm.advantages, cegppo.algorithm.logprobs; "
             "bad = [m for m in sys.modules if m.startswith(('transformers', 'cegppo.engine', 'cegppo.integrations', "
-            "'cegppo.data', 'cegppo.reporting'))]; print(bad); sys.exit(bool(bad))")
+            "'cegppo.data', 'cegppo.reporting', 'cegppo.config'))]; print(bad); sys.exit(bool(bad))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert out.returncode == 0, out.stdout + out.stderr
 

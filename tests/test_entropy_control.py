@@ -9,6 +9,7 @@ import random
 
 import pytest
 
+from cegppo.recipes import train_loop
 from cegppo.algorithm.entropy_control import EntropyControlConfig, EntropyController
 from cegppo.config import ConfigError, load_config, save_config
 
@@ -86,10 +87,13 @@ def test_beta2_moves_only_when_enabled_and_beta1_saturated():
 
 def test_bonus_lever_raises_an_entropy_bonus_only_below_target_and_within_its_cap():
     assert {r["entropy_coeff"] for r in drive(controller(), [0.5] * 20)} == {0.0}  # off by default
-    low = drive(controller(bonus_gain=0.1, bonus_max=0.04), [0.9] * 30)
-    assert low[0]["entropy_coeff"] == pytest.approx(0.1 * 3.0 * 0.1 + 0.1 * 0.1)  # -gain * s, s = kp e + ki I
-    assert all(b["entropy_coeff"] >= a["entropy_coeff"] for a, b in zip(low, low[1:]))  # the integral grows
-    assert low[-1]["entropy_coeff"] == 0.04 and low[-1]["beta1"] == 0.0  # capped, beta1 at its bound too
+    # the cap (0.06) sits above the first step's bonus, so the rule, the growth and the cap are each visible
+    low = drive(controller(bonus_gain=0.1, bonus_max=0.06), [0.9] * 30)
+    coeffs = [r["entropy_coeff"] for r in low]
+    assert coeffs[0] == pytest.approx(0.1 * (3.0 * 0.1 + 1.0 * 0.1))  # -gain * s, s = kp e + ki I, I = e after one step
+    assert coeffs[1] == pytest.approx(0.1 * (3.0 * 0.1 + 1.0 * 0.2))  # the integral grew by e
+    assert coeffs[0] < coeffs[1] < coeffs[2] == pytest.approx(0.06)  # strictly up until the cap
+    assert coeffs[3:] == [0.06] * 27 and low[-1]["beta1"] == 0.0  # held at the cap, beta1 at its bound too
     assert all(r["control/entropy_coeff"] == r["entropy_coeff"] for r in low)
     high = drive(controller(bonus_gain=0.1), [1.2] * 10)
     assert {r["entropy_coeff"] for r in high} == {0.0} and high[-1]["beta1"] > 0.75  # above target: beta1 only
@@ -192,7 +196,7 @@ def test_trainer_logs_control_each_step_and_resumes_exactly(tiny_config, tmp_pat
     from cegppo.io import read_jsonl
 
     full = Trainer(tiny_config("train.steps=4", "train.save_every=2", *CONTROL, out=tmp_path / "full"))
-    full_rows = full.train()
+    full_rows = train_loop(full)
     for r in full_rows:
         for key in ("control/beta1", "control/beta2", "control/target", "control/error"):
             assert key in r, key
@@ -200,10 +204,10 @@ def test_trainer_logs_control_each_step_and_resumes_exactly(tiny_config, tmp_pat
     assert len({r["control/beta1"] for r in full_rows}) > 1  # the controller moved beta1 ...
     assert full.objective.hparams["beta1"] == full_rows[-1]["control/beta1"]  # ... and the objective follows it
     part = Trainer(tiny_config("train.steps=2", "train.save_every=2", *CONTROL, out=tmp_path / "part"))
-    part.train()
+    train_loop(part)
     resumed = Trainer(tiny_config("train.steps=4", "train.save_every=2", *CONTROL, out=tmp_path / "part"), resume=True)
     assert resumed.controller.updates == 2 and resumed.controller.beta1 == full_rows[1]["control/beta1"]
-    resumed.train()
+    train_loop(resumed)
     rows = read_jsonl(tmp_path / "part" / "metrics.jsonl")
     assert [r["step"] for r in rows] == [1, 2, 3, 4]
     for a, b in zip(rows, full_rows):
@@ -229,6 +233,6 @@ def test_trainer_applies_the_bonus_lever_in_its_loss(tiny_config, tmp_path, monk
              "algorithm.entropy_control.target=50", "algorithm.entropy_control.bonus_gain=0.1",
              "algorithm.entropy_control.bonus_max=0.02", "algorithm.entropy_coeff=0.001"]
     tr = trainer_module.Trainer(tiny_config("train.steps=1", *lever, out=tmp_path / "bonus"))
-    rows = tr.train()
+    rows = train_loop(tr)
     assert rows[0]["control/entropy_coeff"] == 0.02 and tr.controller.entropy_coeff == 0.02
     assert seen and all(c == pytest.approx(0.021) for c in seen)

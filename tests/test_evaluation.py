@@ -4,9 +4,10 @@ import math
 import pytest
 import torch
 
+from cegppo.recipes import train_loop
 from cegppo.reporting.compare import compare_runs
 from cegppo.data.problems import Problem, load_problems
-from cegppo.reporting.evaluation import evaluate, majority_correct, pass_at_k
+from cegppo.engine.evaluation import evaluate, majority_correct, pass_at_k
 from cegppo.data.rewards import load_reward
 from cegppo.engine.rollout import RolloutBatch, Sampling
 from cegppo.engine.trainer import Trainer
@@ -82,7 +83,7 @@ def test_compare_writes_plots_and_table(tiny_config, tmp_path):
         hp = [] if obj == "grpo" else ["algorithm.hparams.beta1=0.5"]
         cfg = tiny_config(f"algorithm.objective={obj}", "train.steps=2", "train.save_every=0", "eval.every=1",
                           *(["algorithm.hparams={}"] if obj == "grpo" else hp), out=tmp_path / name)
-        Trainer(cfg).train()
+        train_loop(Trainer(cfg))
         runs.append(tmp_path / name)
     paths = compare_runs(runs, tmp_path / "cmp")
     names = {p.name for p in paths}

@@ -16,7 +16,8 @@ from pathlib import Path
 import pytest
 from filelock import FileLock
 
-import cegppo.engine.recipes as recipes
+from cegppo.recipes import train_loop
+import cegppo.recipes as recipes
 from cegppo.cli import main
 from cegppo.config import Config
 from cegppo.engine import checkpoint as ckpt
@@ -237,7 +238,7 @@ def test_resume_applies_and_records_mutable_changes(tiny_config, tmp_path):
     run = tmp_path / "run"
     base = (*SMALL, "train.save_every=1", "optim.warmup_steps=4", "optim.lr=1e-3")
     first = Trainer(tiny_config(*base, "train.steps=1", out=run))
-    assert first.train()[0]["lr"] == 0.0  # step 1 runs at multiplier 0/4
+    assert train_loop(first)[0]["lr"] == 0.0  # step 1 runs at multiplier 0/4
     first.close()
     original = (run / "config.yaml").read_text()
     tr = Trainer(tiny_config(*base, "train.steps=2", "optim.lr=2e-3", "optim.grad_clip=0.5", out=run), resume=True)
@@ -245,7 +246,7 @@ def test_resume_applies_and_records_mutable_changes(tiny_config, tmp_path):
     group = tr.optimizer.param_groups[0]
     assert group["initial_lr"] == 2e-3 and tr.scheduler.base_lrs == [2e-3]
     assert group["lr"] == pytest.approx(2e-3 * 1 / 4)
-    (row,) = tr.train()
+    (row,) = train_loop(tr)
     assert row["step"] == 2 and row["lr"] == pytest.approx(2e-3 / 4)
     assert tr.optimizer.param_groups[0]["lr"] == pytest.approx(2e-3 * 2 / 4)
     tr.close()

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 
+from cegppo.recipes import train_loop
 from cegppo.reporting import progress as progress_module
 
 
@@ -39,7 +40,7 @@ def test_training_run_reports_every_phase(tiny_config, caplog):
 
     tr = Trainer(tiny_config("train.steps=1", "train.save_every=1", "logging.progress=true", "train.mini_batches=2"))
     with caplog.at_level(logging.INFO, logger="cegppo"):
-        tr.train()
+        train_loop(tr)
     text = caplog.text
     for phase in ("generate 4 x 4", "old log-probs", "update 1/2", "update 2/2", "checkpoint", "train 1/1 ("):
         assert phase in text, phase

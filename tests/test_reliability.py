@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from cegppo.recipes import train_loop
 from cegppo.engine import checkpoint as ckpt
 from cegppo.engine.checkpoint import CheckpointError
 from cegppo.cli import main
@@ -102,7 +103,7 @@ def test_disk_full_during_checkpoint(tiny_config, monkeypatch):
     # the fsync of the finished temp dir (manifest included), where a full disk surfaces last before the rename
     monkeypatch.setattr(ckpt, "_fsync_tree", full)
     with pytest.raises(CheckpointError, match=r"could not write checkpoint .*step_000001: No space left on device"):
-        tr.train()
+        train_loop(tr)
     root = tr.run.checkpoints
     assert ckpt.latest_valid_checkpoint(root) == first and ckpt.list_checkpoints(root) == [first]
     assert not ckpt.stale_temp_dirs(root) and not list(root.glob(".tmp*"))
@@ -147,7 +148,7 @@ def test_resume_without_checkpoint_starts_fresh(tiny_config, caplog):
 def test_reward_failures_are_counted_and_the_run_continues(fn, tiny_config, caplog):
     tr = Trainer(tiny_config(*SMALL, "train.steps=1", f"reward.fn=fixtures.rewards:{fn}", "reward.timeout_s=0.05"))
     with caplog.at_level(logging.WARNING, logger="cegppo.engine.trainer"):
-        (row,) = tr.train()
+        (row,) = train_loop(tr)
     assert row["reward/failures"] == 4 and row["reward/accuracy"] == 0 and row["reward/mean"] == -1
     assert "reward failure at step 1" in caplog.text
     assert read_jsonl(tr.run.metrics)[0]["reward/failures"] == 4
@@ -166,7 +167,7 @@ def test_nan_loss_skips_the_update_and_recovers(tiny_config, caplog, monkeypatch
     monkeypatch.setattr(trainer_module, "policy_loss", nan_on_step_1)
     before, after_step = params(tr.model), {}
     with caplog.at_level(logging.WARNING, logger="cegppo.engine.trainer"):
-        rows = tr.train(on_step=lambda t, row: after_step.setdefault(row["step"], params(t.model)))
+        rows = train_loop(tr, on_step=lambda t, row: after_step.setdefault(row["step"], params(t.model)))
     assert "step 1: non-finite loss; update skipped" in caplog.text
     assert [r["train/skipped_updates"] for r in rows] == [1, 0] and tr.state["bad_steps"] == 0
     assert torch.equal(after_step[1], before) and not torch.equal(after_step[2], before)
@@ -180,7 +181,7 @@ def test_nan_logits_stop_training_after_max_bad_steps(tiny_config):
     before = params(tr.model)
     with pytest.raises(TrainingError, match=r"2 consecutive steps had a non-finite loss or gradient "
                                             r"\(train\.max_bad_steps=2\); stopping"):
-        tr.train()
+        train_loop(tr)
     rows = read_jsonl(tr.run.metrics)
     assert [r["train/skipped_updates"] for r in rows] == [1, 1]
     assert torch.equal(params(tr.model), before)

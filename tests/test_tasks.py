@@ -7,8 +7,21 @@ from cegppo.data.rewards import math_reward
 from cegppo.data.tasks import TASKS, make_task
 
 
-def test_registry():
-    assert "arithmetic" in TASKS
+def test_registry_makes_what_it_names_and_refuses_what_it_does_not():
+    """Every registered task builds problems through make_task; an unknown name is refused there and by the
+    config check that runs before a run starts (check_task), naming the key."""
+    from cegppo.data.tasks import check_task
+    from cegppo.errors import ConfigError
+
+    for name in TASKS:
+        problems = make_task(name, "test", 3, seed=0)
+        assert len(problems) == 3 and all(p.answer and p.messages for p in problems)
+        check_task(name)
+    check_task(None)  # no task: data.train_path is used
+    with pytest.raises(ValueError, match="unknown task 'nope'"):
+        make_task("nope", "test", 3)
+    with pytest.raises(ConfigError, match=r"data.task must be null or one of \['arithmetic'\], got 'nope'"):
+        check_task("nope")
 
 
 @pytest.mark.parametrize("difficulty", [1, 2, 3, 4, 5])

@@ -4,6 +4,7 @@ import re
 import pytest
 import torch
 
+from cegppo.recipes import train_loop
 from cegppo.cli import main
 from cegppo.config import ConfigError, load_config
 from cegppo.cli import example_config
@@ -32,12 +33,12 @@ def test_tiny_run_end_to_end_via_cli(tmp_path, capsys):
 
 def test_resume_continues_exactly(tiny_config, tmp_path):
     full = Trainer(tiny_config("train.steps=4", "train.save_every=2", out=tmp_path / "full"))
-    full_rows = full.train()
+    full_rows = train_loop(full)
     part = Trainer(tiny_config("train.steps=2", "train.save_every=2", out=tmp_path / "part"))
-    part.train()
+    train_loop(part)
     resumed = Trainer(tiny_config("train.steps=4", "train.save_every=2", out=tmp_path / "part"), resume=True)
     assert resumed.state["step"] == 2
-    resumed.train()
+    train_loop(resumed)
     rows = read_jsonl(tmp_path / "part" / "metrics.jsonl")
     assert [r["step"] for r in rows] == [1, 2, 3, 4]
     for a, b in zip(rows, full_rows):
@@ -47,11 +48,11 @@ def test_resume_continues_exactly(tiny_config, tmp_path):
 
 def test_clipping_occurs_when_minibatches_go_off_policy(tiny_config):
     tr = Trainer(tiny_config("train.steps=2", "train.mini_batches=4", "optim.lr=3e-3", "train.save_every=0"))
-    rows = tr.train()
+    rows = train_loop(tr)
     assert max(r["clip/low_frac"] + r["clip/high_frac"] for r in rows) > 0
     on_policy = Trainer(tiny_config("train.steps=1", "train.mini_batches=1", "train.save_every=0",
                                     out=tr.run.path.parent / "onpolicy"))
-    r = on_policy.train()[0]
+    r = train_loop(on_policy)[0]
     assert r["clip/low_frac"] == 0 and r["clip/high_frac"] == 0 and abs(r["ppo_kl"]) < 1e-6
 
 
@@ -61,7 +62,7 @@ def test_micro_batch_invariance_of_the_update(tiny_config, tmp_path, smaller):
     for name, micro in (("m16", "train.micro_batch_size=16"), ("small", smaller)):
         tr = Trainer(tiny_config("train.steps=1", "train.mini_batches=2", micro,
                                  "train.save_every=0", out=tmp_path / name))
-        tr.train()
+        train_loop(tr)
         params.append(torch.cat([p.detach().flatten() for p in tr.model.parameters()]))
     # AdamW moves each weight by at most lr (1e-3) per step: 1e-5 is 1% of one update. Float sums grouped
     # differently (16 vs 3 rows) can move a near-zero gradient's normalised update by ~1e-6.
@@ -120,7 +121,7 @@ def test_bundled_configs_validate():
 def test_tensorboard_logging_when_installed(tiny_config):
     pytest.importorskip("tensorboard")
     tr = Trainer(tiny_config("train.steps=1", "train.save_every=0", "logging.tensorboard=true"))
-    tr.train()
+    train_loop(tr)
     assert list((tr.run.path / "tensorboard").glob("events.out.tfevents.*"))
 
 
@@ -186,7 +187,6 @@ def test_every_float_rejects_nan_and_inf(key, value):
     ("optim.betas=[0.9]", r"optim\.betas must be two numbers"),
     ("algorithm.hparams={1: 2}", r"algorithm\.hparams must be a mapping of hyperparameter names to numbers"),
     ("algorithm.hparams.beta1=abc", r"algorithm\.hparams\.beta1 must be a finite number \(or null\), got 'abc'"),
-    ("data.task=nope", r"data\.task must be null or one of \['arithmetic'\]"),
     ("data.prompt_key=''", r"data\.prompt_key must be null or a non-empty"),
     ("sft.lr=-1", r"sft\.lr must be a finite number >= 0"),
     ("sft.batch_size=0", r"sft\.batch_size must be >= 1"),
@@ -208,6 +208,17 @@ def test_every_key_is_validated(override, match):
     with pytest.raises(ConfigError, match=match) as e:
         load_config(example_config("tiny"), [override])
     assert "\n" not in str(e.value) and len(str(e.value)) <= 1000
+
+
+def test_unknown_task_is_refused_before_anything_loads_or_is_written(tmp_path):
+    """data.task is checked against the data layer's registry (config imports no data module): at the start of a
+    run, before the data, the model or any run file."""
+    from cegppo.engine.trainer import Trainer
+
+    cfg = load_config(example_config("tiny"), ["data.task=nope", f"output_dir={tmp_path / 'run'}"])
+    with pytest.raises(ConfigError, match=r"data\.task must be null or one of \['arithmetic'\], got 'nope'"):
+        Trainer(cfg)
+    assert not [p.name for p in (tmp_path / "run").glob("*") if not p.name.startswith(".")]
 
 
 def test_degenerate_settings_allowed_when_meaningful():

@@ -11,6 +11,7 @@ import torch
 
 pytest.importorskip("vllm")
 
+from cegppo.recipes import train_loop
 from cegppo.engine.models import load_model  # noqa: E402
 from cegppo.engine.rollout import HFRollout, Sampling  # noqa: E402
 from cegppo.engine.vllm_rollout import VLLMRollout  # noqa: E402
@@ -99,5 +100,5 @@ def test_a_training_step_generates_through_vllm(tmp_path):
         "train.mini_batches=2", "train.steps=1", "train.save_every=0", "eval.max_new_tokens=8", "optim.lr=1e-5",
         "optim.warmup_steps=0", "logging.progress=false"])
     with Trainer(cfg) as tr:
-        row = tr.train()[0]
+        row = train_loop(tr)[0]
     assert 0 <= row["rollout/logp_diff"] < 1e-2 and math.isfinite(row["pg_loss"])

@@ -40,7 +40,7 @@ def _resolve_config(arg: str | None) -> Path:
 
 def cmd_train(args) -> int:
     from cegppo.config import load_config
-    from cegppo.engine.recipes import run_training
+    from cegppo.recipes import run_training
 
     cfg = load_config(_resolve_config(args.config), args.overrides)
     summary = run_training(cfg, resume=args.resume, overwrite=args.overwrite)
@@ -51,7 +51,7 @@ def cmd_train(args) -> int:
 
 def cmd_sft(args) -> int:
     from cegppo.config import load_config
-    from cegppo.engine.recipes import run_sft
+    from cegppo.recipes import run_sft
 
     cfg = load_config(_resolve_config(args.config), args.overrides)
     steps = cfg.sft.steps or 40
@@ -61,7 +61,7 @@ def cmd_sft(args) -> int:
 
 
 def cmd_eval(args) -> int:
-    from cegppo.engine.recipes import EvalRequest, run_eval
+    from cegppo.recipes import EvalRequest, run_eval
     from cegppo.engine.rollout import Sampling
 
     temperature, top_p = (0.0, 1.0) if args.greedy else (args.temperature, args.top_p)

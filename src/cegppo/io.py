@@ -10,16 +10,13 @@ import time
 from pathlib import Path
 from typing import Any
 
+from cegppo.errors import one_line  # noqa: F401 - re-exported: io's callers use it for their messages
+
 
 def cache_root() -> Path:
     """`$CEGPPO_CACHE`, else `~/.cache/cegppo`: converted models (the SmolLM2 preset, the tiny model)."""
     env = os.environ.get("CEGPPO_CACHE")
     return Path(env).expanduser() if env else Path.home() / ".cache" / "cegppo"
-
-
-def one_line(text: object, limit: int = 300) -> str:
-    """``text`` with all whitespace runs collapsed, cut to ``limit`` characters (for one-line error messages)."""
-    return " ".join(str(text).split())[:limit]
 
 
 def fsync_dir(path: Path) -> None:

@@ -1,4 +1,4 @@
-"""Record the golden metrics of `cegppo train tiny` (see tests/test_golden.py): python tests/golden/record.py
+"""Record the golden metrics of `cegppo train tiny` (the regression snapshot of tests/test_regression_snapshot.py): python tests/golden/record.py
 
 Run from the repository root. Rewrites tests/golden/*.jsonl; do this only when a change is *meant* to change the
 numbers, and say so in the commit message.

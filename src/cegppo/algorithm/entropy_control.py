@@ -48,6 +48,8 @@ import math
 from dataclasses import asdict, dataclass
 from typing import Any
 
+from cegppo.errors import ConfigError
+
 __all__ = ["CONTROLLED_OBJECTIVES", "EntropyControlConfig", "EntropyController", "build_controller",
            "validate_entropy_control"]
 
@@ -77,7 +79,6 @@ class EntropyControlConfig:
 def validate_entropy_control(cfg: EntropyControlConfig, objective: str, hparams: dict[str, Any],
                              where: str = "algorithm.entropy_control") -> None:
     """Range checks, and that the objective has betas the controller can move (raises ``ConfigError``)."""
-    from cegppo.config import ConfigError
 
     if not cfg.enabled:
         return

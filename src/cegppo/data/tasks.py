@@ -19,6 +19,7 @@ import random
 from typing import Callable
 
 from cegppo.data.problems import Problem
+from cegppo.errors import ConfigError, show
 
 SPLITS = ("train", "test")
 DIFFICULTIES = range(1, 6)
@@ -195,6 +196,13 @@ def arithmetic(split: str, n: int, seed: int = 0, difficulty: int = 1) -> list[P
 
 
 TASKS: dict[str, Callable[..., list[Problem]]] = {"arithmetic": arithmetic}
+
+
+def check_task(task: str | None, key: str = "data.task") -> None:
+    """The config's task name against this registry (config itself imports no data module): a one-line
+    ConfigError for a name that is not a built-in task. Run before any data, model or run file is touched."""
+    if task is not None and task not in TASKS:
+        raise ConfigError(f"{key} must be null or one of {sorted(TASKS)}, got {show(task)}")
 
 
 def make_task(name: str, split: str, n: int, seed: int = 0, difficulty: int = 1) -> list[Problem]:

@@ -1,4 +1,4 @@
-"""Evaluation: k samples per problem -> avg@k, pass@k (unbiased estimator) and maj@k per data source."""
+"""Evaluation (an engine phase: generate and grade): k samples per problem -> avg@k, pass@k (unbiased estimator) and maj@k per data source."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from cegppo.data.problems import Problem
 from cegppo.data.rewards import RewardFn, last_boxed
 from cegppo.engine.rollout import RolloutEngine, Sampling
-from cegppo.reporting.progress import Progress
+from cegppo.engine.reporter import Reporter
 
 
 def pass_at_k(n: int, c: int, k: int) -> float:
@@ -54,7 +54,7 @@ def evaluate(
     k: int = 1,
     sampling: Sampling | None = None,
     batch_prompts: int = 16,
-    progress: Progress | None = None,
+    progress: Reporter | None = None,
 ) -> EvalResult:
     """Sample ``k`` responses per (de-duplicated) problem and grade them."""
     sampling = sampling or Sampling(temperature=0.0)

@@ -14,13 +14,13 @@ import importlib.util
 import json
 import logging
 import os
-import re
 import shutil
 import string
 import tempfile
 from pathlib import Path
 from typing import Any, Iterator
 
+from cegppo.errors import DEVICES
 from cegppo.io import cache_root, one_line, replace_dir
 
 log = logging.getLogger(__name__)
@@ -295,9 +295,6 @@ def fast_bf16(device: str = "cpu") -> bool:
     if device.startswith("cuda"):
         return torch.cuda.is_available() and torch.cuda.is_bf16_supported()
     return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
-
-
-DEVICES = re.compile(r"auto|cpu|cuda(:\d+)?")  # what model.device / --device accept
 
 
 def resolve_device(device: str, key: str = "model.device") -> str:

@@ -130,6 +130,33 @@ def provenance() -> dict:
             "cegppo_version": _version(), "commit": commit, "uncommitted_changes": dirty}
 
 
+def machine() -> dict:
+    """The machine a result was measured on: CPU model, the ISA level that decides the precision (``amx`` /
+    ``avx512_bf16`` / ``avx512`` / ``avx2``), cores, whether bf16 is fast there, the GPU if torch sees one, torch's
+    version and threads, and the 1-minute load average (what else was running)."""
+    import platform
+
+    import torch
+
+    flags, model = set(), platform.processor() or platform.machine()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            key, _, value = line.partition(":")
+            if key.strip() == "model name":
+                model = value.strip()
+            elif key.strip() == "flags":
+                flags = set(value.split())
+                break
+    except OSError:
+        pass
+    isa = next((name for name, flag in (("amx", "amx_bf16"), ("avx512_bf16", "avx512_bf16"), ("avx512", "avx512f"),
+                                        ("avx2", "avx2")) if flag in flags), platform.machine())
+    gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else None
+    return {"cpu": model, "isa": isa, "cores": os.cpu_count(), "bf16_fast": bool(
+        torch.ops.mkldnn._is_mkldnn_bf16_supported()), "gpu": gpu, "torch": torch.__version__,
+        "threads": torch.get_num_threads(), "load_1min": round(os.getloadavg()[0], 2)}
+
+
 def _version() -> str:
     from importlib.metadata import PackageNotFoundError, version
 

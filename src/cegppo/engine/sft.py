@@ -8,13 +8,13 @@ from __future__ import annotations
 
 import torch
 
+from cegppo.algorithm.logprobs import sequence_token_stats
+from cegppo.algorithm.objectives import aggregate
 from cegppo.config import SFTConfig
 from cegppo.data.problems import Problem
-from cegppo.algorithm.logprobs import sequence_token_stats
 from cegppo.engine.models import autocast
-from cegppo.algorithm.objectives import aggregate
+from cegppo.engine.reporter import Reporter, Silent
 from cegppo.engine.rollout import encode_prompts
-from cegppo.reporting.progress import Progress
 
 
 
@@ -42,9 +42,10 @@ def supervised_warmup(
     steps: int | None = None,
     seed: int = 0,
     precision: str = "bf16-autocast",
-    progress: bool = True,
+    progress: Reporter | None = None,
 ) -> list[float]:
-    """AdamW on the NLL of reference solutions for ``steps`` (default ``cfg.steps``) steps; the loss per step."""
+    """AdamW on the NLL of reference solutions for ``steps`` (default ``cfg.steps``) steps; the loss per step.
+    ``progress`` (a :class:`~cegppo.engine.reporter.Reporter` over ``steps``) is advanced once per step."""
     steps = cfg.steps if steps is None else steps
     if steps <= 0:
         return []
@@ -54,7 +55,7 @@ def supervised_warmup(
     model.train()
     device = next(model.parameters()).device
     losses = []
-    bar = Progress("cegppo sft (warm-start)", steps, unit="step", enabled=progress)
+    bar = progress or Silent()
     for _ in range(steps):
         idx = torch.randint(len(problems), (cfg.batch_size,), generator=g).tolist()
         input_ids, attention, resp_mask = (x.to(device) for x in sft_batch(tokenizer, [problems[i] for i in idx]))
@@ -68,6 +69,5 @@ def supervised_warmup(
         sched.step()
         losses.append(loss.item())
         bar.advance(1, loss=losses[-1], tokens=int(resp_mask.sum()))
-    bar.close()
     model.eval()
     return losses

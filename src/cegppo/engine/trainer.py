@@ -1,6 +1,8 @@
 """The RL trainer. :meth:`Trainer.step` is the whole algorithm, top to bottom: rollout -> reward -> advantages ->
 dynamic sampling -> old log-probs -> mini-batch updates -> metrics. The components it is built from come from
-:mod:`cegppo.engine.components`; the files it writes go through :class:`cegppo.engine.rundir.RunDir`.
+:mod:`cegppo.engine.components`, the batching from :mod:`cegppo.engine.batching`; the files it writes go through
+:class:`cegppo.engine.rundir.RunDir`. The run loop (steps, held-out evaluations, checkpoints, progress) is the
+recipe's: :func:`cegppo.recipes.train_loop`.
 """
 
 from __future__ import annotations
@@ -8,7 +10,6 @@ from __future__ import annotations
 import logging
 import math
 import time
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -17,54 +18,24 @@ from torch import Tensor
 from cegppo.algorithm.advantages import group_advantages, mixed_groups, overlong_penalty
 from cegppo.algorithm.diagnostics import MetricAccumulator
 from cegppo.algorithm.entropy_control import build_controller
-from cegppo.algorithm.logprobs import fused_head_supported, sequence_token_stats
+from cegppo.algorithm.logprobs import fused_head_supported
 from cegppo.algorithm.objectives import get_objective
 from cegppo.algorithm.policy_loss import policy_loss
-from cegppo.config import Config, check_data, check_prompt_budget, eval_limit
+from cegppo.config import Config, check_data, check_prompt_budget
+from cegppo.data.tasks import check_task
 from cegppo.engine import checkpoint as ckpt
 from cegppo.engine.components import (DataOrder, build_optimizer, build_policy, build_reference, build_reward,
                                       build_rollout, configure_torch, load_splits, set_lr, step_seed)
-from cegppo.engine.models import autocast, resolve_device, resolve_precision
+from cegppo.engine.batching import Experience, column_token_stats, entropy_mean, entropy_sum, micro_batches
+from cegppo.engine.models import resolve_device, resolve_precision
+from cegppo.engine.reporter import Reporter, Silent
 from cegppo.engine.rollout import RolloutBatch, Sampling
 from cegppo.engine.rundir import RunDir, TrainingError
 from cegppo.faults import failpoint
-from cegppo.reporting.evaluation import EvalResult, evaluate
-from cegppo.reporting.progress import Progress
 
 log = logging.getLogger(__name__)
 
-__all__ = ["Experience", "Trainer", "TrainingError"]
-
-
-def entropy_sum(entropy: Tensor, mask: Tensor) -> Tensor:
-    """``[sum of entropy over response tokens, tokens]``: summed over micro-batches, then divided once."""
-    return torch.stack([(entropy * mask).sum(), mask.sum()])
-
-
-def entropy_mean(stats: Tensor) -> float:
-    """The token-mean entropy of :func:`entropy_sum` totals (0 when there were no tokens)."""
-    return float(stats[0] / stats[1].clamp(min=1))
-
-
-@dataclass
-class Experience:
-    """One step's training data: rollouts plus what the update needs, all ``[B, ...]`` tensors."""
-
-    rollouts: RolloutBatch
-    rewards: Tensor  # [B]
-    correct: Tensor  # [B] bool
-    advantages: Tensor  # [B]
-    old_log_prob: Tensor | None = None  # [B, T]
-    ref_log_prob: Tensor | None = None  # [B, T]
-
-    @property
-    def mask(self) -> Tensor:
-        return self.rollouts.response_mask.float()
-
-    def to(self, device: torch.device | str) -> Experience:
-        """The step's data on the trainer's device (before any log-probs are filled in)."""
-        return Experience(self.rollouts.to(device), self.rewards.to(device), self.correct.to(device),
-                          self.advantages.to(device))
+__all__ = ["Experience", "Trainer", "TrainingError", "entropy_mean"]
 
 
 class Trainer:
@@ -85,6 +56,7 @@ class Trainer:
             raise
 
     def _setup(self, cfg: Config, resume: bool, overwrite: bool) -> None:
+        check_task(cfg.data.task)  # the one key config cannot check (the task registry is data's)
         resume_from, run_id, changes = self.run.begin(cfg, resume, overwrite)  # before any model is loaded
         configure_torch(cfg.train)
         self.objective = get_objective(cfg.algorithm.objective, **cfg.algorithm.hparams)
@@ -117,7 +89,7 @@ class Trainer:
         self.state["config"] = cfg.to_dict()  # the config in force, compared on the next --resume
         self.run.truncate_logs(self.state["step"], resumed=resume_from is not None)
         self.engine = build_rollout(cfg, self.model, self.tokenizer)
-        self.progress = Progress("cegppo train", cfg.train.steps, enabled=False)  # train() shows it
+        self.progress: Reporter = Silent()  # the run loop (cegppo.recipes.train_loop) puts a visible one here
         if resume_from is None:
             self.run.start(run_id, cfg)
         else:
@@ -230,45 +202,16 @@ class Trainer:
         for k in ("reward/mean", "reward/accuracy", "response_length/mean", "response_length/clip_ratio"):
             stats[k] /= stats["train/num_gen_batches"]
         stats["train/kept_groups"] = kept_groups
-        if not kept:
-            return None, stats
-        if len(kept) == 1:
-            return kept[0], stats
-        return Experience(RolloutBatch.concat([e.rollouts for e in kept], self.tokenizer.pad_token_id),
-                          *(torch.cat([getattr(e, f) for e in kept]) for f in ("rewards", "correct", "advantages"))), stats
+        return (Experience.concat(kept, self.tokenizer.pad_token_id) if kept else None), stats
 
     def token_stats(self, model: torch.nn.Module, rb: RolloutBatch, rows: Tensor, collision: bool = False):
-        """Per-token log-prob, entropy (and collision term) of ``rows`` under ``model``, at the sampling temperature:
-        ``[len(rows), T]``. The forward pass sees only the columns these rows use (from their longest prompt to
-        their longest response); the response positions past that are zero."""
-        prompt_len, response_len = rb.lengths
-        idx = rows.tolist()
-        width = rb.input_ids.shape[1] - rb.response_len  # the batch's prompt width (prompts are left-padded)
-        first = width - max(prompt_len[i] for i in idx)
-        keep = max(1, max(response_len[i] for i in idx))
-        with autocast(self.precision, model):
-            out = sequence_token_stats(model, rb.input_ids[rows, first : width + keep],
-                                       rb.attention_mask[rows, first : width + keep], keep,
-                                       self.cfg.rollout.temperature, collision, fused_head=self.fused_head)
-        return tuple(x if x is None else torch.nn.functional.pad(x, (0, rb.response_len - keep)) for x in out)
+        """:func:`column_token_stats` of ``rows`` at the sampling temperature, in this run's precision."""
+        return column_token_stats(model, rb, rows, self.cfg.rollout.temperature, self.precision, self.fused_head,
+                                  collision)
 
     def micro_batches(self, rb: RolloutBatch, rows: Tensor) -> list[Tensor]:
-        """``rows`` in micro-batches of similar length (longest first), so that little padding is computed on: at
-        most ``train.micro_batch_size`` rows and, with ``train.micro_batch_tokens``, at most that many tokens in the
-        forward pass (rows x the columns :meth:`token_stats` keeps), which bounds the activations kept for backward."""
-        prompt_len, response_len = rb.lengths
-        size, budget = self.cfg.train.micro_batch_size, self.cfg.train.micro_batch_tokens
-        out: list[list[int]] = []
-        wp = wr = 0  # the current micro-batch's columns: its longest prompt + its longest response
-        for i in sorted(rows.tolist(), key=lambda i: -(prompt_len[i] + response_len[i])):
-            p, r = max(wp, prompt_len[i]), max(wr, response_len[i], 1)
-            if out and len(out[-1]) < size and not (budget and (len(out[-1]) + 1) * (p + r) > budget):
-                out[-1].append(i)
-                wp, wr = p, r
-            else:  # a new micro-batch (at least one row, however long)
-                out.append([i])
-                wp, wr = prompt_len[i], max(response_len[i], 1)
-        return [torch.tensor(mb, dtype=torch.long) for mb in out]
+        """:func:`micro_batches` under ``train.micro_batch_size`` and ``train.micro_batch_tokens``."""
+        return micro_batches(rb, rows, self.cfg.train.micro_batch_size, self.cfg.train.micro_batch_tokens)
 
     @torch.no_grad()
     def old_log_probs(self, exp: Experience, skip: Tensor) -> Tensor:
@@ -343,64 +286,8 @@ class Trainer:
         cap = self.cfg.rollout.tis_cap
         return torch.exp(diff.clamp(max=math.log(cap))) if cap > 0 else None
 
-    def generated_tokens(self, row: dict) -> float:
-        """Response tokens generated in the step of metrics ``row`` (every round of dynamic sampling)."""
-        t = self.cfg.train
-        return row["response_length/mean"] * row["train/num_gen_batches"] * self.cfg.rollout.n * (
-            t.gen_prompts_per_step or t.prompts_per_step)
-
-    # ---------------------------------------------------------------------------------------------------
-    def evaluate(self, problems: list | None = None, desc: str = "eval") -> EvalResult:
-        e = self.cfg.eval
-        problems = (self.test_problems if problems is None else problems)[: eval_limit(e.num_problems)]
-        torch.manual_seed(step_seed(self.cfg.train.seed, self.state["step"], "eval"))
-        progress = Progress(f"cegppo {desc}", len(problems), unit="problem", enabled=self.cfg.logging.progress)
-        try:
-            return evaluate(self.engine, problems, self.reward_fn, e.k,
-                            Sampling(e.temperature, e.top_p, 0, e.max_new_tokens), progress=progress)
-        finally:
-            progress.close()
-
-    def log_eval(self, tag: str, result: EvalResult) -> dict:
-        row = {"step": self.state["step"], "tag": tag, "accuracy": result.headline("avg@k"),
-               "pass@k": result.headline("pass@k"), "maj@k": result.headline("maj@k")}
-        self.run.log_eval(row)
-        return row
-
     def save(self) -> Path:
+        """A checkpoint of this step (policy, optimizer, scheduler, data position, autopilot), pruned to
+        ``train.keep_checkpoints``. The trainer owns that state; the recipe decides when to save."""
         return ckpt.save_checkpoint(self.run.checkpoints, self.state["step"], self.model, self.tokenizer, self.optimizer,
                              self.scheduler, dict(self.state), keep=self.cfg.train.keep_checkpoints)
-
-    def train(self, on_step=None) -> list[dict]:
-        """Run to ``train.steps``, logging, validating and checkpointing; returns the metric rows written."""
-        cfg, rows = self.cfg, []
-        self.progress = Progress("cegppo train", cfg.train.steps, unit="step", enabled=cfg.logging.progress,
-                                 initial=self.state["step"])
-        self.run.open_sinks(cfg)
-        while self.state["step"] < cfg.train.steps:
-            row = self.step()
-            step = row["step"]
-            if cfg.eval.every and step % cfg.eval.every == 0 and self.test_problems:
-                row["val/accuracy"] = self.log_eval("periodic", self.evaluate(desc=f"eval at step {step}"))["accuracy"]
-            self.run.log_metrics(row)
-            rows.append(row)
-            if cfg.train.save_every and step % cfg.train.save_every == 0:
-                self.progress.phase("checkpoint")
-                self.save()
-            self.progress.advance(1, reward=row["reward/mean"], acc=row["reward/accuracy"], H=row.get("entropy", float("nan")),
-                                  clip=f"{100 * row.get('clip/low_frac', 0):.2f}%/{100 * row.get('clip/high_frac', 0):.2f}%",
-                                  gen_tok_s=self.generated_tokens(row) / max(row["time/rollout_s"], 1e-9),
-                                  step_s=row["time/step_s"])
-            if on_step is not None:
-                on_step(self, row)
-            if self.state["bad_steps"] >= cfg.train.max_bad_steps:
-                raise TrainingError(
-                    f"{self.state['bad_steps']} consecutive steps had a non-finite loss or gradient (train.max_bad_steps="
-                    f"{cfg.train.max_bad_steps}); stopping. Last checkpoint: "
-                    f"{ckpt.latest_valid_checkpoint(self.run.checkpoints)}")
-        self.progress.close()
-        saved = ckpt.list_checkpoints(self.run.checkpoints)
-        if cfg.train.save_every and (not saved or saved[-1] != ckpt.step_dir(self.run.checkpoints, self.state["step"])):
-            self.save()
-        return rows
-

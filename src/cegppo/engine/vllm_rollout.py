@@ -32,7 +32,7 @@ def _import_vllm() -> Any:
     try:
         import vllm
     except ImportError as e:
-        from cegppo.config import ConfigError
+        from cegppo.errors import ConfigError
 
         raise ConfigError(f"{VLLM_INSTALL_HINT} ({type(e).__name__}: {e})") from None
     return vllm

@@ -1,0 +1,121 @@
+"""The quickstart's figures as a distribution: ``cegppo train`` (examples/quickstart.yaml, exactly as a user runs it)
+with several values of ``train.seed`` (sampling, data order, warm-start batches; the held-out problems stay the
+same), then mean, standard deviation and range of the held-out accuracy at each stage, the wall time and the
+peak RSS, with the machine (CPU model and ISA, precision, load) and the commit.
+
+    python benchmarks/quickstart_seeds.py                      # seeds 0 1 2, ~25 min each on a 2-core AVX2 CPU
+    python benchmarks/quickstart_seeds.py --quick              # seconds: the tiny model, 2 steps, into runs/
+    python benchmarks/quickstart_seeds.py --from-json benchmarks/results/quickstart_seeds.json   # re-render
+
+Each seed runs as its own ``cegppo train`` process in ``runs/quickstart-seeds/seedN``; a seed whose run finished
+at the same commit is reused, so an interrupted benchmark resumes where it stopped.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shlex
+import statistics
+import subprocess
+import sys
+import time
+from datetime import datetime, timezone
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+RESULTS = ROOT / "benchmarks" / "results"
+STAGES = ("base", "warm-start", "final")
+QUICK = ["sft.steps=2", "train.steps=2", "data.num_train=32", "data.num_test=8", "eval.num_problems=8",
+         "rollout.n=4", "train.prompts_per_step=2", "train.save_every=0", "rollout.max_new_tokens=16"]
+
+
+def command(config: str, seed: int, out: Path, extra: list[str]) -> list[str]:
+    return [sys.executable, "-m", "cegppo.cli", "train", config, f"train.seed={seed}", f"output_dir={out}",
+            "logging.progress=false", *extra]
+
+
+def run_seed(config: str, seed: int, out: Path, extra: list[str], commit: str) -> dict:
+    """One seed's summary.json: reused when that run finished at this commit, else trained from scratch."""
+    summary = out / "summary.json"
+    if summary.is_file():
+        done = json.loads(summary.read_text())
+        if (done.get("provenance") or {}).get("commit") == commit:
+            print(f"seed {seed}: reusing {out.relative_to(ROOT)} (finished at this commit)", flush=True)
+            return done
+    cmd = command(config, seed, out, extra) + (["--overwrite"] if out.exists() else [])
+    print(f"seed {seed}: {shlex.join(cmd[1:])}", flush=True)
+    subprocess.run(cmd, check=True, cwd=ROOT)
+    return json.loads(summary.read_text())
+
+
+def spread(values: list[float]) -> dict:
+    return {"values": values, "mean": statistics.fmean(values),
+            "sd": statistics.stdev(values) if len(values) > 1 else 0.0, "min": min(values), "max": max(values)}
+
+
+def summarize(runs: list[dict]) -> dict:
+    acc = {stage: spread([r["heldout_accuracy"][stage] for r in runs]) for stage in STAGES
+           if all(stage in r["heldout_accuracy"] for r in runs)}
+    return {"heldout_accuracy": acc, "wall_min": spread([r["wall_time_s"] / 60 for r in runs]),
+            "peak_rss_gib": spread([r["peak_rss_mb"] / 1024 for r in runs])}
+
+
+def report(result: dict) -> str:
+    m, s = result["machine"], result["summary"]
+    lines = [f"# Quickstart over {len(result['seeds'])} seeds", "",
+             f"`{result['command']}` at commit {result['commit']}, {result['date']}.",
+             f"Machine: {m['cpu']} ({m['isa']}, {m['cores']} cores), precision {result['precision']}, "
+             f"1-min load {result['load_before']} before / {result['load_after']} after "
+             f"(other processes were {'running' if result['load_before'] > m['cores'] * 0.6 else 'quiet'}).", "",
+             "| held-out strict accuracy | " + " | ".join(f"seed {x}" for x in result["seeds"]) + " | mean ± sd |",
+             "|---|" + "---|" * (len(result["seeds"]) + 1)]
+    for stage, a in s["heldout_accuracy"].items():
+        lines.append(f"| {stage} | " + " | ".join(f"{v:.3f}" for v in a["values"]) + f" | {a['mean']:.3f} ± {a['sd']:.3f} |")
+    for key, label, fmt in (("wall_min", "wall time (min)", "{:.1f}"), ("peak_rss_gib", "peak RSS (GiB)", "{:.2f}")):
+        a = s[key]
+        lines.append(f"| {label} | " + " | ".join(fmt.format(v) for v in a["values"])
+                     + f" | {fmt.format(a['mean'])} ± {fmt.format(a['sd'])} |")
+    return "\n".join(lines) + "\n"
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
+    ap.add_argument("--config", default="quickstart")
+    ap.add_argument("--quick", action="store_true", help="the tiny model for a few steps (a smoke test), into runs/")
+    ap.add_argument("--out", type=Path, help="results directory (default benchmarks/results; --quick: runs/)")
+    ap.add_argument("--from-json", type=Path, help="re-render the report of a results file")
+    args = ap.parse_args()
+    from cegppo.engine.rundir import commit_label, machine, provenance
+    from cegppo.io import atomic_write_json, atomic_write_text
+
+    if args.from_json:
+        result = json.loads(args.from_json.read_text())
+        atomic_write_text(args.from_json.with_suffix(".md"), report(result))
+        return
+    config, extra = ("tiny", QUICK) if args.quick else (args.config, [])
+    out = args.out or (ROOT / "runs" / "quickstart_seeds_quick" if args.quick else RESULTS)
+    runs_dir = ROOT / "runs" / ("quickstart-seeds-quick" if args.quick else "quickstart-seeds")
+    commit = provenance()["commit"]
+    load_before, t0 = round(os.getloadavg()[0], 2), time.perf_counter()
+    runs = [run_seed(config, seed, runs_dir / f"seed{seed}", extra, commit) for seed in args.seeds]
+    precisions = {json.dumps(r["precision"], sort_keys=True) for r in runs}
+    result = dict(command=shlex.join(["python", "benchmarks/quickstart_seeds.py", *sys.argv[1:]]),
+                  run_command=shlex.join(["cegppo", "train", config, "train.seed=SEED", *extra]),
+                  commit=commit_label(), date=datetime.now(timezone.utc).isoformat(timespec="seconds"),
+                  machine=machine(), load_before=load_before, load_after=round(os.getloadavg()[0], 2),
+                  precision=" / ".join(sorted(precisions)), seeds=args.seeds, wall_s=time.perf_counter() - t0,
+                  runs=[{k: r[k] for k in ("heldout_accuracy", "wall_time_s", "peak_rss_mb", "entropy_first",
+                                             "entropy_last", "precision", "provenance")} for r in runs])
+    result["summary"] = summarize(runs)
+    out.mkdir(parents=True, exist_ok=True)
+    atomic_write_json(out / "quickstart_seeds.json", result)
+    text = report(result)
+    atomic_write_text(out / "quickstart_seeds.md", text)
+    print(text)
+
+
+if __name__ == "__main__":
+    main()
