@@ -24,6 +24,7 @@ from hypothesis import strategies as st  # noqa: E402
 
 import reference  # noqa: E402
 from cegppo.algorithm.advantages import group_advantages  # noqa: E402
+from cegppo.algorithm.checks import check_normaliser, nan_unless_positive  # noqa: E402
 from cegppo.algorithm.objectives import AGGREGATIONS, OBJECTIVES, aggregate, get_objective  # noqa: E402
 from cegppo.algorithm.policy_loss import k3_kl, policy_loss  # noqa: E402
 
@@ -260,6 +261,15 @@ def test_bad_normalisers_are_refused(case, arg, i):
 def test_aggregate_refuses_bad_normalisers(arg, value):
     with pytest.raises(ValueError, match=rf"^aggregate: {arg} must be a positive finite number"):
         aggregate(torch.ones(2, 3), torch.ones(2, 3), **{arg: value})
+
+
+def test_normaliser_on_an_accelerator_is_never_read():
+    """Off the CPU a normaliser is not read (no device sync per micro-batch); a bad one becomes NaN, which makes the
+    loss NaN for the trainer's non-finite-loss guard. The meta device stands in for CUDA: reading it would raise."""
+    out = check_normaliser("policy_loss", "num_tokens", torch.tensor(-10.0, device="meta"))
+    assert out.device.type == "meta"
+    assert torch.isnan(nan_unless_positive(torch.tensor([-10.0, 0.0, math.inf, math.nan]))).all()
+    assert nan_unless_positive(torch.tensor(7)).item() == 7
 
 
 def test_num_tokens_examples_of_the_issue():

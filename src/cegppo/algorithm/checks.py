@@ -70,6 +70,11 @@ def check_number(fn: str, name: str, value: Any, *, low: float = -math.inf, high
     return float(value)
 
 
+def nan_unless_positive(value: Tensor) -> Tensor:
+    """``value`` where it is positive and finite, else NaN: computed on the tensor's device, never read."""
+    return torch.where((value > 0) & torch.isfinite(value), value, math.nan)
+
+
 def check_normaliser(fn: str, name: str, value: float | Tensor | None) -> float | Tensor | None:
     """``value`` as a divisor: None, a positive finite number, or a 0-d real tensor; else ``ValueError``.
 
@@ -85,7 +90,7 @@ def check_normaliser(fn: str, name: str, value: float | Tensor | None) -> float 
         if value.dim() != 0 or not _kind_ok(value, REAL):
             raise ValueError(f"{fn}: {name} must be {hint} or a 0-d real tensor, got {describe(value)}")
         if value.device.type != "cpu":
-            return torch.where((value > 0) & torch.isfinite(value), value, math.nan)
+            return nan_unless_positive(value)
         v = float(value)  # a CPU scalar: no device to wait for
     elif isinstance(value, numbers.Real) and not isinstance(value, bool):
         v = float(value)
