@@ -32,8 +32,16 @@ QUICK = ["sft.steps=2", "train.steps=2", "data.num_train=32", "data.num_test=8",
 
 
 def command(config: str, seed: int, out: Path, extra: list[str]) -> list[str]:
-    return [sys.executable, "-m", "cegppo.cli", "train", config, f"train.seed={seed}", f"output_dir={out}",
-            "logging.progress=false", *extra]
+    """The run's command, with ``out`` relative to the repository (results files record no machine paths)."""
+    return [sys.executable, "-m", "cegppo.cli", "train", config, f"train.seed={seed}",
+            f"output_dir={out.relative_to(ROOT) if out.is_relative_to(ROOT) else out}", "logging.progress=false", *extra]
+
+
+def relative(record: dict) -> dict:
+    """A run's provenance with this checkout's path made relative (for runs recorded before :func:`command` did)."""
+    prov = dict(record.get("provenance") or {})
+    prov["command"] = prov.get("command", "").replace(str(ROOT) + "/", "")
+    return {**record, "provenance": prov}
 
 
 def run_seed(config: str, seed: int, out: Path, extra: list[str], commit: str) -> dict:
@@ -93,6 +101,8 @@ def main() -> None:
 
     if args.from_json:
         result = json.loads(args.from_json.read_text())
+        result["runs"] = [relative(r) for r in result["runs"]]
+        atomic_write_json(args.from_json, result)
         atomic_write_text(args.from_json.with_suffix(".md"), report(result))
         return
     config, extra = ("tiny", QUICK) if args.quick else (args.config, [])
@@ -107,8 +117,8 @@ def main() -> None:
                   commit=commit_label(), date=datetime.now(timezone.utc).isoformat(timespec="seconds"),
                   machine=machine(), load_before=load_before, load_after=round(os.getloadavg()[0], 2),
                   precision=" / ".join(sorted(precisions)), seeds=args.seeds, wall_s=time.perf_counter() - t0,
-                  runs=[{k: r[k] for k in ("heldout_accuracy", "wall_time_s", "peak_rss_mb", "entropy_first",
-                                             "entropy_last", "precision", "provenance")} for r in runs])
+                  runs=[relative({k: r[k] for k in ("heldout_accuracy", "wall_time_s", "peak_rss_mb", "entropy_first",
+                                             "entropy_last", "precision", "provenance")}) for r in runs])
     result["summary"] = summarize(runs)
     out.mkdir(parents=True, exist_ok=True)
     atomic_write_json(out / "quickstart_seeds.json", result)
