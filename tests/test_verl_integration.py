@@ -79,7 +79,9 @@ def test_fresh_interpreter_loading_paths():
 
 
 def test_check_and_idempotent_registration(monkeypatch):
-    cv.check()
+    # trainer=False: the losses and plugin loading only; the test environment installs verl --no-deps, without the
+    # trainers' extra modules (checked below and in the [verl] venv of .ci/check_extras.sh)
+    cv.check(trainer=False)
     before = (get_policy_loss_fn("ce_gppo"), get_policy_loss_fn("gppo"))
     with warnings.catch_warnings():
         warnings.simplefilter("error")
@@ -91,15 +93,40 @@ def test_check_and_idempotent_registration(monkeypatch):
     monkeypatch.setenv("VERL_USE_EXTERNAL_PLUGINS", "none")
     monkeypatch.delenv("VERL_USE_EXTERNAL_MODULES", raising=False)
     with pytest.raises(RuntimeError, match="will not load"):
-        cv.check()
+        cv.check(trainer=False)
     monkeypatch.setenv("VERL_USE_EXTERNAL_MODULES", MODULE)
-    cv.check()
+    cv.check(trainer=False)
 
     from verl.trainer.ppo.core_algos import POLICY_LOSS_REGISTRY
 
     monkeypatch.setitem(POLICY_LOSS_REGISTRY, "ce_gppo", get_policy_loss_fn("vanilla"))
     with pytest.raises(RuntimeError, match="ce_gppo"):
+        cv.check(trainer=False)
+
+
+@pytest.mark.parametrize("missing", sorted(cv.TRAINER_DEPENDENCIES))
+def test_check_reports_a_missing_trainer_dependency_in_one_line(monkeypatch, missing):
+    """`python -m verl.trainer.main_ppo` dies after Ray starts without transfer_queue (V1 trainer) or cachetools
+    (legacy trainer); check() names the module, who needs it and the fix, on one line."""
+    for module in cv.TRAINER_DEPENDENCIES:  # present for this test whatever the environment installs
+        if module != missing:
+            monkeypatch.setitem(sys.modules, module, sys.modules.get(module) or type(sys)(module))
+    monkeypatch.setitem(sys.modules, missing, None)  # `import missing` raises ImportError
+    with pytest.raises(RuntimeError) as info:
         cv.check()
+    lines = [ln for ln in str(info.value).splitlines() if missing in ln]
+    assert len(lines) == 1, str(info.value)
+    assert "verl's trainer cannot start" in lines[0] and "[verl-core]" in lines[0] and ".[verl]" in lines[0]
+    assert cv.TRAINER_DEPENDENCIES[missing] in lines[0]
+    cv.check(trainer=False)  # the losses themselves are fine
+
+
+def test_check_passes_where_the_trainer_dependencies_are_installed():
+    """In the [verl] install (.ci/check_extras.sh runs this file there) check() passes as a whole."""
+    for module in cv.TRAINER_DEPENDENCIES:
+        pytest.importorskip(module, reason=f"{module} is installed by the [verl] extra, not by the test environment")
+    assert cv.trainer_problems() == []
+    cv.check()
 
 
 # --------------------------------------------------------------------------------------------------------

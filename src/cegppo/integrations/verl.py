@@ -45,6 +45,12 @@ from typing import Any
 _log = logging.getLogger(__name__)
 
 LOSS_NAMES = ("ce_gppo", "gppo")
+# Modules verl 0.9.1's trainers import that verl itself does not require: they come with its [verl-core] extra,
+# which cegppo's [verl] extra installs. Without them `python -m verl.trainer.main_ppo` dies right after Ray starts.
+TRAINER_DEPENDENCIES = {
+    "transfer_queue": "verl's default V1 trainer (verl.trainer.ppo.v1)",
+    "cachetools": "verl's legacy trainer, trainer.use_v1=False (verl.workers.rollout.router)",
+}
 ENTRY_POINT_GROUP = "verl.plugins"
 ENTRY_POINT_NAME = "cegppo"
 
@@ -67,8 +73,8 @@ except Exception as _exc:  # noqa: BLE001 - re-raised below; verl would otherwis
     warnings.warn(_msg, RuntimeWarning, stacklevel=2)
     raise
 
-__all__ = ["CEGPPOPolicyLossConfig", "LOSS_NAMES", "check", "compute_policy_loss_ce_gppo",
-           "compute_policy_loss_gppo", "register"]
+__all__ = ["CEGPPOPolicyLossConfig", "LOSS_NAMES", "TRAINER_DEPENDENCIES", "check", "compute_policy_loss_ce_gppo",
+           "compute_policy_loss_gppo", "register", "trainer_problems"]
 
 _DEFAULT_BETA1 = OBJECTIVES["ce_gppo"].defaults["beta1"]
 _DEFAULT_BETA2 = OBJECTIVES["ce_gppo"].defaults["beta2"]
@@ -235,11 +241,28 @@ def register() -> None:
         register_policy_loss(name)(fn)
 
 
-def check() -> None:
+def trainer_problems() -> list[str]:
+    """One line per module of :data:`TRAINER_DEPENDENCIES` that does not import (empty when verl's trainers can
+    start as far as their imports go)."""
+    import importlib
+
+    problems = []
+    for module, needed_by in TRAINER_DEPENDENCIES.items():
+        try:
+            importlib.import_module(module)
+        except ImportError as exc:
+            problems.append(f"verl's trainer cannot start: {type(exc).__name__}: {exc} (needed by {needed_by}); "
+                            "install verl's [verl-core] extra: pip install -e \".[verl]\" brings it")
+    return problems
+
+
+def check(trainer: bool = True) -> None:
     """Raise ``RuntimeError`` with the reason when verl cannot resolve ``ce_gppo`` / ``gppo`` to these losses.
 
     Also checks that a fresh ``import verl`` will load this module (entry point installed and allowed, or
-    listed in ``VERL_USE_EXTERNAL_MODULES``), which is what the Ray workers rely on.
+    listed in ``VERL_USE_EXTERNAL_MODULES``), which is what the Ray workers rely on, and, with ``trainer`` (the
+    default), that the modules verl's trainers import are installed (:func:`trainer_problems`). ``trainer=False``
+    checks only the losses: enough to use them outside verl's trainer (e.g. its engines driven directly).
     """
     from importlib.metadata import entry_points
 
@@ -272,6 +295,8 @@ def check() -> None:
             why = f"VERL_USE_EXTERNAL_PLUGINS={policy!r} excludes '{ENTRY_POINT_NAME}'"
         problems.append(f"a fresh `import verl` (e.g. in a Ray worker) will not load {__name__}: {why}, and "
                         f"VERL_USE_EXTERNAL_MODULES does not list it")
+    if trainer:
+        problems.extend(trainer_problems())
     if problems:
         raise RuntimeError("cegppo verl integration is not usable:\n  - " + "\n  - ".join(problems))
 
