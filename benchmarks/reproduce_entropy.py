@@ -1,7 +1,8 @@
 """The paper's entropy mechanism, measured where it can be (issue 5: a per-update design, since whole CPU runs are too short and too noisy to show it).
 
     python benchmarks/reproduce_entropy.py                 # CPU scale: part A (K=20 batches) + part B (short runs)
-    python benchmarks/reproduce_entropy.py --part A --batches 5 --quick    # a smoke test
+    python benchmarks/reproduce_entropy.py --part A --max-minutes 25       # part A, as many batches as fit in 25 min
+    python benchmarks/reproduce_entropy.py --quick         # a smoke test: the tiny model, 2 batches, into runs/
     python benchmarks/reproduce_entropy.py --part B --scale gpu            # full trajectories, sized for one big GPU
 
 Part A - per-update entropy response. One real-vocabulary policy with real entropy (SmolLM2-135M-Instruct,
@@ -15,33 +16,43 @@ prediction summed from our per-quadrant dH diagnostics over the update's optimiz
 Part B - trajectories: GRPO, DAPO, CE-GPPO (0.5, 1) and (0.75, 1) trained from the same start with the trainer,
 entropy / reward / held-out accuracy per step. On CPU this is a short run and is reported as one.
 
-Writes benchmarks/results/entropy_dynamics.{json,md} and PNG plots, all generated here.
+Precision (``--precision auto``): bf16 autocast where bf16 is fast (AVX512-BF16 / AMX / a GPU), else fp32 (bf16
+is emulated, several times slower, on AVX2-only CPUs). Writes entropy_dynamics.{json,md} and PNG plots to ``--out``
+(default benchmarks/results; ``--quick``: runs/reproduce_entropy_quick), all generated here, with the commit, the
+command, the date and the machine (CPU model and ISA, precision, load).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
+import os
 import random
+import shlex
 import statistics
 import sys
 import time
+from datetime import datetime, timezone
 from pathlib import Path
 
 import torch
 
 from cegppo.algorithm.advantages import group_advantages
 from cegppo.data.problems import Problem
-from cegppo.algorithm.diagnostics import quadrant_metrics
 from cegppo.io import atomic_write_json, atomic_write_text
 from cegppo.algorithm.logprobs import sequence_token_stats
-from cegppo.engine.models import load_model
+from cegppo.engine.models import fast_bf16, load_model
+from cegppo.engine.rundir import commit_label, machine
 from cegppo.algorithm.objectives import get_objective
+from cegppo.algorithm.policy_loss import policy_loss
 from cegppo.data.rewards import load_reward
 from cegppo.engine.rollout import HFRollout, RolloutBatch, Sampling
 
-RESULTS = Path(__file__).resolve().parent / "results"
+ROOT = Path(__file__).resolve().parents[1]
+RESULTS = ROOT / "benchmarks" / "results"
+QUICK_OUT = ROOT / "runs" / "reproduce_entropy_quick"
 PROMPT = "What is {a} + {b}? Think step by step."
 
 # (label, objective, hparams); GPPO is CE-GPPO with beta1 = beta2 = 1 and is reported from that cell
@@ -69,8 +80,11 @@ def mean_sem(xs: list[float]) -> tuple[float, float]:
     return m, (statistics.stdev(xs) / math.sqrt(len(xs)) if len(xs) > 1 else float("nan"))
 
 
+BF16 = False  # set by main() from --precision: bf16 autocast over fp32 weights, else fp32 throughout
+
+
 def autocast():
-    return torch.autocast("cpu", dtype=torch.bfloat16)
+    return torch.autocast("cpu", dtype=torch.bfloat16) if BF16 else contextlib.nullcontext()
 
 
 @torch.no_grad()
@@ -102,7 +116,9 @@ def update(model, theta0, objective, batch, old_lp, adv, args) -> dict:
                 lp, ent, col = sequence_token_stats(model, batch.input_ids[mb], batch.attention_mask[mb],
                                                     batch.response_len, args.temperature, collision=True)
             m = mask[mb]
-            loss, metrics = objective(lp, old_lp[mb], adv[mb], m, agg="token-mean")
+            # the one assembly of the loss (as the trainer calls it); entropy + collision add the quadrant metrics
+            loss, metrics = policy_loss(objective, lp, old_lp[mb], adv[mb], m, agg="token-mean", entropy=ent.detach(),
+                                        collision=col)
             opt.zero_grad(set_to_none=True)
             loss.backward()
             torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
@@ -115,8 +131,7 @@ def update(model, theta0, objective, batch, old_lp, adv, args) -> dict:
             stats["out"] += float(out.sum())
             for thr in stats["below"]:
                 stats["below"][thr] += float((out * (p_old[mb] < thr).float()).sum())
-            q = quadrant_metrics(objective, lp.detach(), old_lp[mb], adv[mb], m, ent.detach(), col)
-            stats["dH_pred"] += float(q["dH/predicted"])  # first-order, unit step on the logits, per step
+            stats["dH_pred"] += float(metrics["dH/predicted"])  # first-order, unit step on the logits, per step
     model.eval()
     return stats
 
@@ -124,7 +139,8 @@ def update(model, theta0, objective, batch, old_lp, adv, args) -> dict:
 def part_a(args, model, tok) -> tuple[list[dict], dict]:
     train, heldout = addition_problems(2, 12, args.seed)
     reward = load_reward("math-lenient")
-    engine = HFRollout(model, tok, max_prompt_tokens=96, dtype=torch.bfloat16)
+    engine = HFRollout(model, tok, max_prompt_tokens=args.max_prompt_tokens,
+                       dtype=torch.bfloat16 if BF16 else torch.float32)
     sampling = Sampling(temperature=args.temperature, top_p=1.0, top_k=0, max_new_tokens=args.max_new_tokens)
     torch.manual_seed(args.seed)
     held = engine.generate([p.messages for p in heldout[: args.heldout]], 1, sampling)
@@ -137,7 +153,12 @@ def part_a(args, model, tok) -> tuple[list[dict], dict]:
     accs = []
     b = 0
     attempts = 0
+    unmixed = 0  # batches kept without a mixed group (--quick only: the tiny model never scores)
+    t_start = time.perf_counter()
     while b < args.batches:
+        if args.max_minutes and b >= 2 and time.perf_counter() - t_start > 60 * args.max_minutes:
+            print(f"[A] stopping after {b} batches: --max-minutes {args.max_minutes} reached", flush=True)
+            break
         attempts += 1
         probs = rng.sample(train, args.prompts)
         torch.manual_seed(args.seed * 1000 + attempts)
@@ -145,7 +166,9 @@ def part_a(args, model, tok) -> tuple[list[dict], dict]:
         graded = reward(batch.texts, [p.answer for p in probs for _ in range(args.n)])
         adv = group_advantages(torch.tensor(graded.scores), args.n, "grpo")
         if float(adv.abs().sum()) == 0.0:
-            continue  # no mixed group: every objective's update would be zero
+            if not args.quick:
+                continue  # no mixed group: every objective's update would be zero
+            unmixed += 1  # a smoke test keeps it: the pipeline runs, the numbers mean nothing
         accs.append(graded.accuracy)
         model.load_state_dict(theta0)
         with torch.no_grad(), autocast():
@@ -195,15 +218,17 @@ def part_a(args, model, tok) -> tuple[list[dict], dict]:
                                         for t in (0.1, 0.3, 0.5)},
                 batches=len(rs)))
     meta = dict(heldout_entropy_start=h0, prediction_scale=scale, batch_accuracy_mean=statistics.fmean(accs),
-                rollout_batches_drawn=attempts, per_batch=per_batch)
+                rollout_batches_drawn=attempts, batches_measured=b, batches_without_mixed_group=unmixed,
+                per_batch=per_batch)
     return rows, meta
 
 
 def part_b(args, out_dir: Path) -> list[dict]:
     """Short trajectories with the trainer, same environment as part A (or the GPU grid with --scale gpu)."""
     from cegppo.config import load_config
-    from cegppo.io import read_jsonl
     from cegppo.engine.trainer import Trainer
+    from cegppo.io import read_jsonl
+    from cegppo.recipes import held_out_eval, log_eval, train_loop
 
     train, heldout = addition_problems(2, 12, args.seed)
     data_dir = out_dir / "data"
@@ -220,39 +245,44 @@ def part_b(args, out_dir: Path) -> list[dict]:
                 ("CE-GPPO(0.5,1.0)", "ce_gppo", {"beta1": 0.5, "beta2": 1.0}),
                 ("CE-GPPO(0.75,1.0)", "ce_gppo", {"beta1": 0.75, "beta2": 1.0})]
         seeds, steps, prompts, mini, eval_n, model = (0,), args.traj_steps, args.prompts, args.mini_batches, 32, args.model
+        if args.quick:
+            eval_n = 4
     runs = []
     for seed in seeds:
         for label, name, hp in grid:
             run_dir = out_dir / "runs" / f"{label}-seed{seed}"
             cfg = load_config(None, [
-                f"output_dir={run_dir}", f"model.name={model}", "model.precision=bf16-autocast",
+                f"output_dir={run_dir}", f"model.name={model}",
+                "model.precision=" + ("bf16-autocast" if BF16 else "fp32"),
+                "model.rollout_dtype=" + ("bfloat16" if BF16 else "float32"),
                 f"data.train_path={data_dir / 'train.jsonl'}", f"data.test_path={data_dir / 'test.jsonl'}",
                 "data.task=null", f"data.num_test={eval_n}", f"rollout.n={args.n}", f"rollout.temperature={args.temperature}",
-                f"rollout.max_new_tokens={args.max_new_tokens}", "rollout.max_prompt_tokens=96", "reward.fn=math-lenient",
+                f"rollout.max_new_tokens={args.max_new_tokens}", f"rollout.max_prompt_tokens={args.max_prompt_tokens}",
+                "reward.fn=math-lenient",
                 f"algorithm.objective={name}", "algorithm.hparams=" + json.dumps({"eps_low": 0.2, "eps_high": 0.2,
                                                                                   "clip_ratio_c": 10.0, **hp}),
-                "algorithm.dynamic_sampling=true", f"optim.lr={args.traj_lr}", "optim.warmup_steps=0",
+                f"algorithm.dynamic_sampling={'false' if args.quick else 'true'}", f"optim.lr={args.traj_lr}",
+                "optim.warmup_steps=0",
                 "optim.weight_decay=0.0", f"train.steps={steps}", f"train.prompts_per_step={prompts}",
                 f"train.mini_batches={mini}", "train.micro_batch_size=16", "train.save_every=0", f"train.seed={seed}",
                 f"eval.num_problems={eval_n}", f"eval.every={max(1, steps // 4)}", f"eval.max_new_tokens={args.max_new_tokens}",
                 "logging.progress=false",
             ])
             t0 = time.perf_counter()
-            tr = Trainer(cfg, overwrite=True)  # a rerun replaces its own run directory
-            start = tr.log_eval("base", tr.evaluate())["accuracy"]
-            tr.train()
-            final = tr.log_eval("final", tr.evaluate())["accuracy"]
+            with Trainer(cfg, overwrite=True) as tr:  # a rerun replaces its own run directory
+                start = log_eval(tr, "base", held_out_eval(tr))["accuracy"]
+                train_loop(tr)
+                final = log_eval(tr, "final", held_out_eval(tr))["accuracy"]
             rows = read_jsonl(run_dir / "metrics.jsonl")
             runs.append(dict(objective=label, beta1=hp.get("beta1"), beta2=hp.get("beta2"), seed=seed,
                              steps=[r["step"] for r in rows], entropy=[r.get("entropy") for r in rows],
                              reward=[r["reward/mean"] for r in rows], initial_test_accuracy=start,
-                             final_test_accuracy=final, run_dir=str(run_dir.relative_to(RESULTS.parent.parent))
-                             if run_dir.is_relative_to(RESULTS.parent.parent) else str(run_dir),
+                             final_test_accuracy=final, run_dir=str(run_dir.relative_to(ROOT))
+                             if run_dir.is_relative_to(ROOT) else str(run_dir),
                              wall_s=time.perf_counter() - t0))
             h0, h1 = first_last([r.get("entropy") for r in rows])
             print(f"[B] {label} seed {seed}: entropy {h0:.4f} -> {h1:.4f}, held-out acc {start:.3f} -> {final:.3f}, "
                   f"{time.perf_counter() - t0:.0f} s", flush=True)
-            del tr
     return runs
 
 
@@ -367,16 +397,33 @@ def plots(per_update: list[dict], runs: list[dict], out: Path) -> list[str]:
     return written
 
 
-def report(args, per_update, meta, runs, claims, figures, wall, command: str, regenerated: bool = False) -> str:
+def provenance_line(result: dict) -> str:
+    """Commit, date, machine (CPU, ISA, precision, load) of a result; older results recorded none of it."""
+    m = result.get("machine")
+    if not m:
+        return "Commit, date and machine not recorded (a result from before they were)."
+    return (f"Commit `{result['commit']}`, {result['date']}; {m['cpu']} ({m['isa']}, {m['cores']} cores, torch "
+            f"{m['torch']}, {m['threads']} threads), precision {result['precision']}, 1-min load average "
+            f"{result['load_before']} before / {result['load_after']} after"
+            f"{' (other processes were running)' if result['load_before'] > 0.6 * m['cores'] else ''}.")
+
+
+def report(args, per_update, meta, runs, claims, figures, wall, command: str, regenerated: bool = False,
+           result: dict | None = None) -> str:
     again = (" Verdicts, plots and this report were regenerated from the saved `entropy_dynamics.json` with "
              "`--from-json` (no new measurement)." if regenerated else "")
     lines = ["# CE-GPPO entropy dynamics, measured at CPU scale", "",
-             f"Measured by `{command.strip()}` in {wall / 60:.1f} min (torch {torch.__version__}, "
-             f"{torch.get_num_threads()} threads).{again} Do not edit by hand.", ""]
+             f"Measured by `{command.strip()}` in {wall / 60:.1f} min.{again} Do not edit by hand.", "",
+             provenance_line(result or {}), ""]
+    if getattr(args, "quick", False):
+        lines += ["**A smoke test (`--quick`): the tiny model, tiny sizes. The numbers mean nothing.**", ""]
     if per_update:
+        batches = meta.get("batches_measured", args.batches)
+        short = (f" (stopped at the time limit, `--max-minutes {args.max_minutes}`; {args.batches} asked)"
+                 if batches < args.batches else "")
         lines += ["## A. Per-update entropy response", "",
-                  f"SmolLM2-135M-Instruct, policy = softmax(logits / {args.temperature}); addition a + b (2..12), free-form "
-                  f"answers graded by math-verify (lenient, +1/-1); {args.batches} rollout batches of {args.prompts} prompts x "
+                  f"{args.model}, policy = softmax(logits / {args.temperature}); addition a + b (2..12), free-form "
+                  f"answers graded by math-verify (lenient, +1/-1); {batches} rollout batches{short} of {args.prompts} prompts x "
                   f"{args.n} samples (<= {args.max_new_tokens} new tokens; mean batch accuracy {meta['batch_accuracy_mean']:.2f}); "
                   f"each update = {args.epochs} epochs x {args.mini_batches} mini-batches of AdamW at lr {args.lr}, from the same "
                   f"weights for every objective. Held-out: {args.heldout} fixed teacher-forced responses, start entropy "
@@ -423,14 +470,33 @@ def main() -> None:
     ap.add_argument("--traj-steps", type=int, default=10)
     ap.add_argument("--traj-lr", type=float, default=1e-5)
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--out", type=Path, default=RESULTS)
-    ap.add_argument("--quick", action="store_true", help="tiny sizes, for a smoke test (results are not meaningful)")
+    ap.add_argument("--max-prompt-tokens", type=int, default=96)
+    ap.add_argument("--precision", choices=["auto", "fp32", "bf16"], default="auto",
+                    help="auto: bf16 autocast over fp32 weights where bf16 is fast (AVX512-BF16/AMX), else fp32")
+    ap.add_argument("--threads", type=int, default=None,
+                    help="torch threads (default torch's; on a loaded machine 1 can be several times faster)")
+    ap.add_argument("--max-minutes", type=float, default=None,
+                    help="part A: draw no new rollout batch after this many minutes (at least 2 batches are measured)")
+    ap.add_argument("--out", type=Path, help=f"results directory (default {RESULTS}; --quick: {QUICK_OUT})")
+    ap.add_argument("--quick", action="store_true",
+                    help="the tiny model, 2 batches, 2-step trajectories: a smoke test (results are not meaningful)")
     ap.add_argument("--from-json", type=Path, help="regenerate verdicts, plots and the report from a saved result")
     args = ap.parse_args()
     if args.from_json:
-        return regenerate(args.from_json, args.out)
-    if args.quick:
-        args.batches, args.heldout, args.traj_steps, args.max_new_tokens = min(args.batches, 2), 8, 2, 24
+        return regenerate(args.from_json, args.out or args.from_json.parent)
+    if args.quick:  # the tiny char-level model: checks the pipeline end to end, measures nothing
+        args.model, args.precision, args.max_prompt_tokens = "tiny", "fp32", 160
+        args.batches, args.heldout, args.traj_steps, args.max_new_tokens = min(args.batches, 2), 4, 2, 16
+        args.prompts, args.n = 2, 4
+    args.out = args.out or (QUICK_OUT if args.quick else RESULTS)
+    global BF16
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    BF16 = fast_bf16("cpu") if args.precision == "auto" else args.precision == "bf16"
+    precision = "bf16 autocast, fp32 master weights" if BF16 else "fp32"
+    commit, date, load_before = commit_label(), datetime.now(timezone.utc).isoformat(timespec="seconds"), \
+        round(os.getloadavg()[0], 2)
+    print(f"[reproduce_entropy] commit {commit}, {precision}, load {load_before}", flush=True)
     t0 = time.perf_counter()
     args.out.mkdir(parents=True, exist_ok=True)
     per_update, meta, runs = [], {}, []
@@ -448,14 +514,16 @@ def main() -> None:
     claims = verdicts(per_update, runs, meta.get("per_batch"))
     figures = plots(per_update, runs, args.out)
     wall = time.perf_counter() - t0
-    result = {"command": "python benchmarks/reproduce_entropy.py " + " ".join(sys.argv[1:]), "wall_s": wall,
+    result = {"command": shlex.join(["python", "benchmarks/reproduce_entropy.py", *sys.argv[1:]]), "wall_s": wall,
+              "commit": commit, "date": date, "machine": machine(), "precision": precision,
+              "load_before": load_before, "load_after": round(os.getloadavg()[0], 2),
               "settings": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
               "per_update": per_update, "per_update_meta": {k: v for k, v in meta.items() if k != "per_batch"},
               "per_update_batches": meta.get("per_batch", {}), "runs": runs, "verdicts": claims}
     atomic_write_json(args.out / "entropy_dynamics.json", result)
     (args.out / "entropy_dynamics.partA.json").unlink(missing_ok=True)
     atomic_write_text(args.out / "entropy_dynamics.md",
-                      report(args, per_update, meta, runs, claims, figures, wall, result["command"]))
+                      report(args, per_update, meta, runs, claims, figures, wall, result["command"], result=result))
     print("\n".join(claims))
     print(f"wrote {args.out / 'entropy_dynamics.json'} and {args.out / 'entropy_dynamics.md'} in {wall / 60:.1f} min")
 
@@ -463,7 +531,7 @@ def main() -> None:
 def regenerate(path: Path, out: Path) -> None:
     """Verdicts, plots and the markdown report from a saved ``entropy_dynamics.json`` (no new measurement)."""
     result = json.loads(path.read_text())
-    args = argparse.Namespace(**result["settings"])
+    args = argparse.Namespace(**{"model": "smollm2-135m-instruct", "max_minutes": None, **result["settings"]})
     per_update, runs = result["per_update"], result["runs"]
     meta = {**result.get("per_update_meta", {}), "per_batch": result.get("per_update_batches", {})}
     claims = verdicts(per_update, runs, meta["per_batch"])
@@ -471,7 +539,7 @@ def regenerate(path: Path, out: Path) -> None:
     result["verdicts"] = claims
     atomic_write_json(out / "entropy_dynamics.json", result)
     atomic_write_text(out / "entropy_dynamics.md", report(args, per_update, meta, runs, claims, figures, result["wall_s"],
-                                                          result["command"], regenerated=True))
+                                                          result["command"], regenerated=True, result=result))
     print("\n".join(claims))
 
 
