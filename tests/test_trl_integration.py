@@ -178,3 +178,47 @@ def test_entropy_control_config_validation(tmp_path):
 
     args = CEGPPOConfig(**_common(tmp_path), entropy_control=EntropyControlConfig(enabled=True, target=0.7))
     assert args.entropy_control["target"] == 0.7 and isinstance(args.entropy_control, dict)
+
+
+def test_requested_processes_from_the_launch_command(monkeypatch):
+    from cegppo.integrations.trl import _num_processes_in_accelerate_command, requested_processes
+
+    accelerate = ["/venv/bin/python", "/venv/bin/accelerate", "launch", "--cpu"]
+    assert _num_processes_in_accelerate_command(accelerate + ["--num_processes", "2", "train.py"]) == 2
+    assert _num_processes_in_accelerate_command(accelerate + ["--num-processes=4", "train.py"]) == 4
+    assert _num_processes_in_accelerate_command(accelerate + ["train.py"]) is None
+    assert _num_processes_in_accelerate_command(["python", "train.py", "launch", "--num_processes", "2"]) is None
+    monkeypatch.setenv("WORLD_SIZE", "8")
+    assert requested_processes() == 8
+
+
+_ONE_PROCESS_PROBE = """
+import sys, warnings
+from datasets import Dataset
+from cegppo.integrations.trl import CEGPPOConfig, CEGPPOTrainer
+warnings.simplefilter("always")
+args = CEGPPOConfig(output_dir=sys.argv[2], per_device_train_batch_size=4, num_generations=4, num_iterations=2,
+                    max_completion_length=8, report_to="none", save_strategy="no", use_cpu=True, max_steps=1)
+ds = Dataset.from_dict({"prompt": [[{"role": "user", "content": "1+1?"}]] * 4})
+trainer = CEGPPOTrainer(model=sys.argv[1], reward_funcs=[lambda completions, **kw: [0.0] * len(completions)],
+                        args=args, train_dataset=ds)
+print("PROCESSES", trainer.accelerator.num_processes)
+"""
+
+
+def test_accelerate_cpu_num_processes_2_runs_one_process_and_warns(tiny_model, tmp_path):
+    """`accelerate launch --cpu --num_processes 2` silently starts ONE process; CEGPPOTrainer says so."""
+    import os
+    import subprocess
+    import sys
+
+    script = tmp_path / "probe.py"
+    script.write_text(_ONE_PROCESS_PROBE)
+    accelerate = os.path.join(os.path.dirname(sys.executable), "accelerate")
+    env = {k: v for k, v in os.environ.items() if k not in ("WORLD_SIZE", "RANK", "LOCAL_RANK")}
+    proc = subprocess.run([accelerate, "launch", "--cpu", "--num_processes", "2", "--num_machines", "1",
+                           "--mixed_precision", "no", "--dynamo_backend", "no", str(script), tiny_model,
+                           str(tmp_path / "out")], env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert proc.stdout.count("PROCESSES 1") == 1, proc.stdout  # one process, not two
+    assert "the launcher asked for 2 processes but this run has 1 process" in proc.stderr, proc.stderr[-4000:]

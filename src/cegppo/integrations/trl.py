@@ -48,7 +48,8 @@ from cegppo.algorithm.entropy_control import EntropyControlConfig, build_control
 from cegppo.algorithm.objectives import OBJECTIVES, Objective, get_objective
 from cegppo.algorithm.policy_loss import policy_loss
 
-__all__ = ["CEGPPOConfig", "CEGPPOTrainer", "ON_POLICY_WARNING", "TRL_OBJECTIVES", "is_on_policy"]
+__all__ = ["CEGPPOConfig", "CEGPPOTrainer", "ONE_PROCESS_WARNING", "ON_POLICY_WARNING", "TRL_OBJECTIVES",
+           "is_on_policy", "requested_processes"]
 
 # token-level clipped objectives whose hyperparameters map onto GRPOConfig's epsilon / epsilon_high
 TRL_OBJECTIVES = ("ce_gppo", "gppo", "ppo_clip")
@@ -59,6 +60,12 @@ ON_POLICY_WARNING = (
     "steps_per_generation <= gradient_accumulation_steps), so the importance ratio is identically 1, no token "
     "ever leaves the clip interval, and CE-GPPO is exactly GRPO/DAPO. Set num_iterations > 1 or "
     "steps_per_generation > gradient_accumulation_steps to let beta1/beta2 act."
+)
+
+ONE_PROCESS_WARNING = (
+    "CEGPPOTrainer: the launcher asked for {requested} processes but this run has 1 process, which trains on "
+    "1/{requested} of the intended global batch. `accelerate launch --cpu --num_processes N` starts one process; "
+    "use `torchrun --nproc_per_node N` or `accelerate launch --multi_gpu --num_processes N` (docs/scale-out.md)."
 )
 
 CONTROL_STATE = "entropy_control_state.json"  # the controller's state, in each checkpoint directory
@@ -123,6 +130,34 @@ class CEGPPOConfig(GRPOConfig):
         return get_objective(self.objective, **hp)
 
 
+def _num_processes_in_accelerate_command(args: list[str]) -> int | None:
+    """N of ``--num_processes N`` (or ``--num-processes=N``) when ``args`` is an ``accelerate launch`` command."""
+    if "launch" not in args or not any(os.path.basename(a).startswith("accelerate") for a in args[:3]):
+        return None
+    for i, arg in enumerate(args):
+        name, _, value = arg.partition("=")
+        if name in ("--num_processes", "--num-processes"):
+            value = value or (args[i + 1] if i + 1 < len(args) else "")
+            return int(value) if value.isdigit() else None
+    return None
+
+
+def requested_processes() -> int | None:
+    """The number of processes the launcher was asked for, where it can be seen: ``WORLD_SIZE`` (torchrun,
+    accelerate's multi-process launchers), else the ``--num_processes`` of an ``accelerate launch`` parent process
+    (Linux ``/proc``; ``accelerate launch --cpu --num_processes N`` starts ONE process and puts no count in its
+    environment). None when neither tells."""
+    world_size = os.environ.get("WORLD_SIZE", "")
+    if world_size.isdigit():
+        return int(world_size)
+    try:
+        with open(f"/proc/{os.getppid()}/cmdline", "rb") as f:
+            parent = f.read().decode(errors="replace").split("\0")
+    except OSError:
+        return None
+    return _num_processes_in_accelerate_command(parent)
+
+
 def is_on_policy(args: GRPOConfig) -> bool:
     """True when TRL never reuses a generation batch for a second optimizer step: ratio == 1 exactly."""
     return args.num_iterations == 1 and args.steps_per_generation <= args.gradient_accumulation_steps
@@ -142,6 +177,9 @@ class CEGPPOTrainer(GRPOTrainer):
         self._token_weighted_sums: dict[str, dict[str, torch.Tensor]] = {}
         if is_on_policy(self.args):
             warnings.warn(ON_POLICY_WARNING, UserWarning, stacklevel=2)
+        requested = requested_processes()
+        if self.accelerator.num_processes == 1 and requested is not None and requested > 1:
+            warnings.warn(ONE_PROCESS_WARNING.format(requested=requested), UserWarning, stacklevel=2)
 
     def _compute_loss(self, model: Any, inputs: dict[str, Any]) -> torch.Tensor:
         prompt_ids, prompt_mask = inputs["prompt_ids"], inputs["prompt_mask"]
