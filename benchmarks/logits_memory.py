@@ -1,6 +1,7 @@
 """Peak memory of the RL step's log-prob/entropy pass: full logits (today's path) against the fused LM head.
 
     python benchmarks/logits_memory.py [--tokens 512] [--vocab 49152 151936] [--precision fp32] [--device cpu]
+    python benchmarks/logits_memory.py --quick    # smoke test: 32 tokens, D 64, V 1024, into runs/logits_memory_quick
 
 For N response tokens with hidden size D (576, SmolLM2-135M) and each vocabulary V, forward + backward of
 ``sum(w1 * log_prob + w2 * entropy)`` (collision term on, as the trainer's update pass asks for it):
@@ -14,7 +15,8 @@ Peak memory is the highest total of the allocations torch makes during the call,
 allocation records on CPU (:func:`peak_bytes_cpu`) or ``torch.cuda.max_memory_allocated`` on CUDA,
 so it counts the gradients of ``hidden`` and ``W`` (``[V, D]`` float32, the same in both paths) but not the
 inputs. Each path runs once; the two runs' log-probs, entropies and gradients are compared and the largest
-differences printed. ``--precision bf16-autocast`` runs both under ``torch.autocast(bfloat16)`` as the
+differences printed. Writes ``logits_memory.json`` to ``--out`` (default benchmarks/results) with the commit, the
+command, the date and the machine. ``--precision bf16-autocast`` runs both under ``torch.autocast(bfloat16)`` as the
 trainer's default precision does (bf16 matmuls are several times slower than fp32 on a CPU without AVX-512
 BF16, so keep ``--tokens`` small there).
 """
@@ -25,7 +27,6 @@ import argparse
 import contextlib
 import json
 import platform
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -35,7 +36,9 @@ import torch.nn.functional as F
 
 from cegppo.algorithm.logprobs import DEFAULT_CHUNK_ROWS, fused_chunk_rows, linear_token_stats, token_stats
 
-RESULTS = Path(__file__).resolve().parent / "results" / "logits_memory.json"
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import RESULTS, provenance, quick_out  # noqa: E402
+
 VOCABS = (49152, 151936)  # SmolLM2, Qwen2.5
 
 
@@ -75,7 +78,12 @@ def main() -> None:
     ap.add_argument("--temperature", type=float, default=1.0)
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("--quick", action="store_true", help="32 tokens, hidden 64, vocab 1024: a smoke test")
+    ap.add_argument("--out", type=Path, help=f"results directory (default {RESULTS}; --quick: runs/logits_memory_quick)")
     args = ap.parse_args()
+    if args.quick:
+        args.tokens, args.hidden, args.vocab = 32, 64, [1024]
+    out_dir = args.out or (quick_out("logits_memory") if args.quick else RESULTS)
     if args.threads:
         torch.set_num_threads(args.threads)
     dev, N, D = torch.device(args.device), args.tokens, args.hidden
@@ -140,20 +148,16 @@ def main() -> None:
     print(f"\n[N,V] MiB: the size of one [N, V] logits tensor in the matmul dtype; weight-gradient [V, D] float32 "
           f"is counted in both paths ({D * 4 * max(args.vocab) / 2**20:.0f} MiB at V = {max(args.vocab):,}).")
 
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                            cwd=Path(__file__).resolve().parent).stdout.strip()
-    dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], capture_output=True, text=True,
-                           cwd=Path(__file__).resolve().parent).stdout.strip()
-    RESULTS.parent.mkdir(parents=True, exist_ok=True)
-    RESULTS.write_text(json.dumps({
-        "commit": commit + ("-dirty" if dirty else ""), "command": "python " + " ".join(sys.argv),
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / "logits_memory.json").write_text(json.dumps({
+        **provenance("logits_memory.py", args.precision), "quick": args.quick,
         "torch": torch.__version__, "device": args.device, "threads": torch.get_num_threads(), "tokens": N,
         "hidden": D, "precision": args.precision, "temperature": args.temperature,
         "peak_memory": "torch profiler raw [memory] records replayed in time order (CPU) / "
                        "torch.cuda.max_memory_allocated (CUDA); allocations during the call, inputs not counted",
         "rows": rows,
     }, indent=2) + "\n")
-    print(f"results: {RESULTS}")
+    print(f"results: {out_dir / 'logits_memory.json'}")
 
 
 if __name__ == "__main__":

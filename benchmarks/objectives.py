@@ -1,6 +1,7 @@
 """Forward + backward time and peak memory of each objective, against the formulations it replaces.
 
     python benchmarks/objectives.py [--batch 64] [--tokens 8192] [--repeats 20]
+    python benchmarks/objectives.py --quick     # smoke test: 4 x 256 tokens, 3 rounds, into runs/objectives_quick
 
 Rows: every registered objective through :func:`cegppo.algorithm.policy_loss.policy_loss` (loss, token-mean
 and region metrics, as the trainer calls it) and through ``token_loss`` alone; the authors'-shape boolean-mask
@@ -9,7 +10,8 @@ CE-GPPO (``tests/reference.py: ce_gppo_masked``); the plain ``torch.where`` + au
 the memory-bandwidth floor: the bytes any forward + backward of the loss must move (read log_prob,
 old_log_prob, the mask and the [B] advantages; write the [B, T] gradient: 4 passes of B x T fp32) divided by
 the copy bandwidth, timed as a copy of that many bytes. All rows and the floor are timed round-robin in
-the same process (medians per call) and reported as ratios, so the machine's drifts hit them alike.
+the same process (medians per call) and reported as ratios, so the machine's drifts hit them alike. Writes
+``objectives.json`` to ``--out`` (default benchmarks/results) with the commit, the command, the date and the machine.
 """
 
 from __future__ import annotations
@@ -18,7 +20,6 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -32,7 +33,7 @@ from cegppo.algorithm.policy_loss import policy_loss  # noqa: E402
 from logits_memory import peak_bytes_cpu  # noqa: E402  (benchmarks/, this script's directory)
 
 FLOOR = "memory-bandwidth floor"
-RESULTS = Path(__file__).resolve().parent / "results" / "objectives.json"
+from common import RESULTS, provenance, quick_out  # noqa: E402  (benchmarks/)
 
 
 def time_interleaved(fns: dict[str, callable], rounds: int, batch_seconds: float = 0.005) -> dict[str, float]:
@@ -64,7 +65,12 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=8192)
     ap.add_argument("--repeats", type=int, default=20, help="timing rounds (each a ~5 ms batch of calls per row)")
     ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("--quick", action="store_true", help="4 x 256 tokens, 3 rounds: a smoke test")
+    ap.add_argument("--out", type=Path, help=f"results directory (default {RESULTS}; --quick: runs/objectives_quick)")
     args = ap.parse_args()
+    if args.quick:
+        args.batch, args.tokens, args.repeats = 4, 256, 3
+    out_dir = args.out or (quick_out("objectives") if args.quick else RESULTS)
     if args.threads:
         torch.set_num_threads(args.threads)
     B, T = args.batch, args.tokens
@@ -124,14 +130,14 @@ def main() -> None:
     print(f"ce_gppo token loss (closed-form gradient): {masked/ours:.1f}x faster than boolean-mask, {where/ours:.1f}x "
           f"faster and {mem['ce_gppo [torch.where + autograd]'] / max(mem['ce_gppo [token_loss only]'], 1):.1f}x less "
           f"peak memory than torch.where+autograd, {ours/floor_s:.1f}x the bandwidth floor")
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
-    RESULTS.write_text(json.dumps({
-        "commit": commit, "command": "python " + " ".join(sys.argv), "torch": torch.__version__,
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / "objectives.json").write_text(json.dumps({
+        **provenance("objectives.py", "fp32"), "quick": args.quick, "torch": torch.__version__,
         "threads": torch.get_num_threads(), "load_average_1min": os.getloadavg()[0], "batch": B, "tokens": T,
         "floor_ms": floor_s * 1e3,
         "rows": {name: {"ms": results[name] * 1e3, "peak_mb": mem[name] / 2**20} for name, _ in rows},
     }, indent=2) + "\n")
-    print(f"results: {RESULTS}")
+    print(f"results: {out_dir / 'objectives.json'}")
 
 
 if __name__ == "__main__":

@@ -28,13 +28,10 @@ import argparse
 import contextlib
 import json
 import math
-import os
 import random
-import shlex
 import statistics
 import sys
 import time
-from datetime import datetime, timezone
 from pathlib import Path
 
 import torch
@@ -44,15 +41,15 @@ from cegppo.data.problems import Problem
 from cegppo.io import atomic_write_json, atomic_write_text
 from cegppo.algorithm.logprobs import sequence_token_stats
 from cegppo.engine.models import fast_bf16, load_model
-from cegppo.engine.rundir import commit_label, machine
 from cegppo.algorithm.objectives import get_objective
 from cegppo.algorithm.policy_loss import policy_loss
 from cegppo.data.rewards import load_reward
 from cegppo.engine.rollout import HFRollout, RolloutBatch, Sampling
 
-ROOT = Path(__file__).resolve().parents[1]
-RESULTS = ROOT / "benchmarks" / "results"
-QUICK_OUT = ROOT / "runs" / "reproduce_entropy_quick"
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import ROOT, RESULTS, load_now, provenance, provenance_line, quick_out  # noqa: E402
+
+QUICK_OUT = quick_out("reproduce_entropy")
 PROMPT = "What is {a} + {b}? Think step by step."
 
 # (label, objective, hparams); GPPO is CE-GPPO with beta1 = beta2 = 1 and is reported from that cell
@@ -244,6 +241,8 @@ def part_b(args, out_dir: Path) -> list[dict]:
         grid = [("GRPO", "ppo_clip", {}), ("DAPO", "ppo_clip", {"eps_high": 0.28}),
                 ("CE-GPPO(0.5,1.0)", "ce_gppo", {"beta1": 0.5, "beta2": 1.0}),
                 ("CE-GPPO(0.75,1.0)", "ce_gppo", {"beta1": 0.75, "beta2": 1.0})]
+        if args.quick:  # a smoke test: one baseline, one CE-GPPO
+            grid = [grid[0], grid[-1]]
         seeds, steps, prompts, mini, eval_n, model = (0,), args.traj_steps, args.prompts, args.mini_batches, 32, args.model
         if args.quick:
             eval_n = 4
@@ -397,24 +396,15 @@ def plots(per_update: list[dict], runs: list[dict], out: Path) -> list[str]:
     return written
 
 
-def provenance_line(result: dict) -> str:
-    """Commit, date, machine (CPU, ISA, precision, load) of a result; older results recorded none of it."""
-    m = result.get("machine")
-    if not m:
-        return "Commit, date and machine not recorded (a result from before they were)."
-    return (f"Commit `{result['commit']}`, {result['date']}; {m['cpu']} ({m['isa']}, {m['cores']} cores, torch "
-            f"{m['torch']}, {m['threads']} threads), precision {result['precision']}, 1-min load average "
-            f"{result['load_before']} before / {result['load_after']} after"
-            f"{' (other processes were running)' if result['load_before'] > 0.6 * m['cores'] else ''}.")
-
-
 def report(args, per_update, meta, runs, claims, figures, wall, command: str, regenerated: bool = False,
            result: dict | None = None) -> str:
     again = (" Verdicts, plots and this report were regenerated from the saved `entropy_dynamics.json` with "
              "`--from-json` (no new measurement)." if regenerated else "")
     lines = ["# CE-GPPO entropy dynamics, measured at CPU scale", "",
              f"Measured by `{command.strip()}` in {wall / 60:.1f} min.{again} Do not edit by hand.", "",
-             provenance_line(result or {}), ""]
+             provenance_line(result or {})
+             + (f" Load average {result['load_after']} at the end." if (result or {}).get("load_after") is not None else ""),
+             ""]
     if getattr(args, "quick", False):
         lines += ["**A smoke test (`--quick`): the tiny model, tiny sizes. The numbers mean nothing.**", ""]
     if per_update:
@@ -494,9 +484,8 @@ def main() -> None:
         torch.set_num_threads(args.threads)
     BF16 = fast_bf16("cpu") if args.precision == "auto" else args.precision == "bf16"
     precision = "bf16 autocast, fp32 master weights" if BF16 else "fp32"
-    commit, date, load_before = commit_label(), datetime.now(timezone.utc).isoformat(timespec="seconds"), \
-        round(os.getloadavg()[0], 2)
-    print(f"[reproduce_entropy] commit {commit}, {precision}, load {load_before}", flush=True)
+    prov = provenance("reproduce_entropy.py", precision)
+    print(f"[reproduce_entropy] commit {prov['commit']}, {precision}, load {prov['machine']['load_1min']}", flush=True)
     t0 = time.perf_counter()
     args.out.mkdir(parents=True, exist_ok=True)
     per_update, meta, runs = [], {}, []
@@ -514,9 +503,7 @@ def main() -> None:
     claims = verdicts(per_update, runs, meta.get("per_batch"))
     figures = plots(per_update, runs, args.out)
     wall = time.perf_counter() - t0
-    result = {"command": shlex.join(["python", "benchmarks/reproduce_entropy.py", *sys.argv[1:]]), "wall_s": wall,
-              "commit": commit, "date": date, "machine": machine(), "precision": precision,
-              "load_before": load_before, "load_after": round(os.getloadavg()[0], 2),
+    result = {**prov, "wall_s": wall, "load_after": load_now(),
               "settings": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
               "per_update": per_update, "per_update_meta": {k: v for k, v in meta.items() if k != "per_batch"},
               "per_update_batches": meta.get("per_batch", {}), "runs": runs, "verdicts": claims}

@@ -1,0 +1,51 @@
+"""What every benchmark's results file records about how it was made: the commit, the command, the date and the
+machine (CPU model and ISA, cores, torch and its threads, the 1-minute load average), with the precision it ran in.
+
+A script run as ``python benchmarks/<name>.py`` finds this module beside it (``benchmarks/`` is ``sys.path[0]``).
+"""
+
+from __future__ import annotations
+
+import os
+import shlex
+import sys
+from datetime import datetime, timezone
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+RESULTS = ROOT / "benchmarks" / "results"
+
+
+def quick_out(name: str) -> Path:
+    """Where a ``--quick`` smoke run writes by default: under ``runs/``, never over ``benchmarks/results/``."""
+    return ROOT / "runs" / f"{name}_quick"
+
+
+def command(script: str) -> str:
+    """The command line that ran ``benchmarks/<script>`` (relative to the checkout, so results compare across clones)."""
+    return shlex.join(["python", f"benchmarks/{script}", *sys.argv[1:]])
+
+
+def provenance(script: str, precision: str) -> dict:
+    """commit, command, date, machine (:func:`cegppo.engine.rundir.machine`) and precision, for a results file."""
+    from cegppo.engine.rundir import commit_label, machine
+
+    return {"commit": commit_label(), "command": command(script),
+            "date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "machine": machine(),
+            "precision": precision}
+
+
+def load_now() -> float:
+    return round(os.getloadavg()[0], 2)
+
+
+def provenance_line(result: dict) -> str:
+    """One markdown line: the commit, date and machine of a result (results older than this record none)."""
+    m = result.get("machine")
+    if not m:
+        return "Commit, date and machine not recorded (a result from before they were)."
+    busy = m["load_1min"] > 0.6 * m["cores"]
+    return (f"Commit `{result['commit']}`, {result['date']}; {m['cpu']} ({m['isa']}, {m['cores']} cores"
+            f"{', GPU ' + m['gpu'] if m.get('gpu') else ''}), torch {m['torch']} with {m['threads']} threads, precision "
+            f"{result['precision']}; 1-min load average {m['load_1min']} at the start"
+            f"{' (other processes were running)' if busy else ''}.")
