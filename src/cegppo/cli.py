@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import sys
 from importlib import resources
 from pathlib import Path
@@ -60,26 +61,45 @@ def cmd_sft(args) -> int:
     return 0
 
 
+def eval_outputs(out: str) -> tuple[Path, Path]:
+    """``cegppo eval --out``: the per-problem JSONL and the summary JSON beside it."""
+    if out.endswith(("/", os.sep)):
+        raise UsageError(f"--out {out} names a directory; give the path of a new .jsonl file")
+    path = Path(out)
+    return path, path.with_suffix(".summary.json")
+
+
 def cmd_eval(args) -> int:
-    from cegppo.recipes import EvalRequest, run_eval
+    from cegppo.recipes import EvalRequest, check_eval_request, check_new_output, run_eval
     from cegppo.engine.rollout import Sampling
 
     temperature, top_p = (0.0, 1.0) if args.greedy else (args.temperature, args.top_p)
     req = EvalRequest(args.model, args.data, args.k, Sampling(temperature, top_p, 0, args.max_new_tokens),
                       args.num_problems, args.difficulty, args.reward, args.dtype, args.max_prompt_tokens,
                       args.batch_prompts, args.seed, args.device)
+    check_eval_request(req)
+    if args.out:  # before the evaluation: never overwrite a file, an input in particular
+        inputs = {**{f"--data {d}": d for d in args.data}, "--model": args.model}
+        for path in eval_outputs(args.out):
+            check_new_output(path, "--out", directory=False, inputs=inputs)
     how = "greedy" if temperature == 0 else f"sampling at temperature {temperature:g}, top-p {top_p:g}"
     log.info("cegppo eval: k=%d, %s, up to %d new tokens", args.k, how, args.max_new_tokens)
     result = run_eval(req)
-    print(f"| data source | problems | avg@{args.k} | pass@{args.k} | maj@{args.k} |\n|---|---|---|---|---|")
+    k = args.k
+    print(f"| data source | problems | avg@{k} | pass@{k} | maj@{k} | scorer failures (timed out) |\n"
+          f"|---|---|---|---|---|---|")
     for src, s in result.summary.items():
-        print(f"| {src} | {s['num_problems']} | {s['avg@k']:.4f} | {s['pass@k']:.4f} | {s['maj@k']:.4f} |")
+        print(f"| {src} | {s['num_problems']} | {s['avg@k']:.4f} | {s['pass@k']:.4f} | {s['maj@k']:.4f} "
+              f"| {s['scorer_failures']} of {s['graded']} ({s['scorer_timeouts']}) |")
     if args.out:
-        out = Path(args.out)
-        out.parent.mkdir(parents=True, exist_ok=True)
+        out, summary = eval_outputs(args.out)
         atomic_write_text(out, "".join(json.dumps(r) + "\n" for r in result.rows))
-        atomic_write_text(out.with_suffix(".summary.json"), json.dumps(result.summary, indent=2))
+        atomic_write_text(summary, json.dumps(result.summary, indent=2))
         print(f"per-problem results: {out}")
+    note = result.failure_note()
+    if note:
+        log.warning("cegppo eval: %s", note)
+    result.check_scorer(f"--reward {args.reward}")  # every item failed: say so, exit 2
     return 0
 
 
@@ -90,7 +110,7 @@ def cmd_compare(args) -> int:
     if out.exists() and not out.is_dir():
         raise UsageError(f"--out {out} is an existing file; give a directory (it will hold compare.png, one PNG "
                          f"per metric and summary.md)")
-    paths = compare_runs([Path(r) for r in args.runs], out)
+    paths = compare_runs([Path(r) for r in args.runs], out)  # checks out against the runs and its own files first
     for p in paths:
         print(p)
     return 0
@@ -123,7 +143,7 @@ def build_parser() -> argparse.ArgumentParser:
                        help="RL training (no config: the quickstart on the bundled SmolLM2-135M)")
     t.add_argument("config", nargs="?", default="quickstart", help="YAML file or bundled config name")
     t.add_argument("overrides", nargs="*", help="dotted key=value overrides, e.g. algorithm.hparams.beta1=0.5 "
-                                                "(every key: src/cegppo/config.py)")
+                                                "(every key: src/cegppo/config/schema.py)")
     t.add_argument("--resume", action="store_true", help="continue from the newest intact checkpoint in output_dir")
     t.add_argument("--overwrite", action="store_true",
                    help="delete the previous run's files in output_dir (logged) and start a fresh run there")

@@ -5,7 +5,9 @@ layer (progress bars, plots), which the engine itself never imports."""
 from __future__ import annotations
 
 import logging
+import os
 import resource
+import shutil
 import time
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -13,8 +15,9 @@ from typing import Callable
 
 import torch
 
-from cegppo.config import (CLI_EVAL_KEYS, Config, check_data, check_eval_settings, check_prompt_budget,
+from cegppo.config import (CLI_EVAL_KEYS, Config, ConfigError, check_data, check_eval_settings, check_prompt_budget,
                            eval_limit)
+from cegppo.config.validation import MODEL_DIR_HEADROOM, check_path_fits
 from cegppo.data.evalsets import resolve_dataset
 from cegppo.data.problems import Problem, load_problems
 from cegppo.data.tasks import make_task
@@ -68,10 +71,21 @@ def held_out_eval(trainer: Trainer, problems: list[Problem] | None = None, desc:
 
 
 def log_eval(trainer: Trainer, tag: str, result: EvalResult) -> dict:
-    """Append an evaluation to the run's ``eval.jsonl``; returns the row."""
+    """Append an evaluation to the run's ``eval.jsonl`` with the scorer's failures beside the accuracy (in total and
+    per data source), log them (an ERROR when the scorer failed on every item of a source); returns the row."""
     row = {"step": trainer.state["step"], "tag": tag, "accuracy": result.headline("avg@k"),
-           "pass@k": result.headline("pass@k"), "maj@k": result.headline("maj@k")}
+           "pass@k": result.headline("pass@k"), "maj@k": result.headline("maj@k"),
+           "graded": result.total("graded"), "scorer_failures": result.total("scorer_failures"),
+           "scorer_timeouts": result.total("scorer_timeouts"),
+           "sources": {src: {"accuracy": s["avg@k"], "graded": s["graded"], "scorer_failures": s["scorer_failures"],
+                             "scorer_timeouts": s["scorer_timeouts"]} for src, s in result.summary.items()}}
     trainer.run.log_eval(row)
+    note = result.failure_note()
+    if result.all_failed():
+        log.error("held-out eval (%s, step %d): %s; its accuracy %.4f measures the reward function (reward.fn=%s), "
+                  "not the model", tag, row["step"], note, row["accuracy"], trainer.cfg.reward.fn)
+    elif note:
+        log.warning("held-out eval (%s, step %d): %s", tag, row["step"], note)
     return row
 
 
@@ -82,11 +96,31 @@ def generated_tokens(cfg: Config, row: dict) -> float:
         t.gen_prompts_per_step or t.prompts_per_step)
 
 
+NO_UPDATE_WARN_STEPS = 3  # a run that makes no update for this many consecutive steps says why (and every N after)
+
+
+def no_update_cause(cfg: Config, row: dict) -> str | None:
+    """Why the step of metrics ``row`` changed nothing (None when it made an update with a learning signal)."""
+    items = int(row.get("train/num_gen_batches", 1) * cfg.rollout.n * (cfg.train.gen_prompts_per_step
+                                                                        or cfg.train.prompts_per_step))
+    grades = (f"reward accuracy {row.get('reward/accuracy', 0):.3f}, scorer failures "
+              f"{int(row.get('reward/failures', 0))} of {items}")
+    if row.get("reward/failures", 0) >= items:
+        return f"the reward function (reward.fn={cfg.reward.fn}) failed on every item ({grades})"
+    if "entropy" not in row:  # no experience kept: dynamic sampling found no group with mixed rewards
+        return (f"no group had mixed rewards: dynamic sampling kept 0 groups in {int(row.get('train/num_gen_batches', 1))} "
+                f"generation round(s) (algorithm.max_num_gen_batches={cfg.algorithm.max_num_gen_batches}; {grades})")
+    if row.get("grad_norm") == 0:
+        return f"every gradient was 0: each group's rewards were equal, so every advantage was 0 ({grades})"
+    return None
+
+
 def train_loop(trainer: Trainer, on_step: Callable[[Trainer, dict], None] | None = None) -> list[dict]:
     """Run ``trainer`` to ``train.steps``: each step, the periodic held-out evaluation (``eval.every``), the metrics
     row, the checkpoint (``train.save_every``) and the progress bar; a final checkpoint. Returns the rows written.
-    Stops with :class:`TrainingError` after ``train.max_bad_steps`` consecutive steps without a finite update."""
-    cfg, rows = trainer.cfg, []
+    Stops with :class:`TrainingError` after ``train.max_bad_steps`` consecutive steps without a finite update; warns,
+    naming the cause, after every :data:`NO_UPDATE_WARN_STEPS` consecutive steps without a learning signal."""
+    cfg, rows, idle = trainer.cfg, [], 0
     progress = Progress("cegppo train", cfg.train.steps, unit="step", enabled=cfg.logging.progress,
                         initial=trainer.state["step"])
     trainer.progress = progress
@@ -94,6 +128,16 @@ def train_loop(trainer: Trainer, on_step: Callable[[Trainer, dict], None] | None
     while trainer.state["step"] < cfg.train.steps:
         row = trainer.step()
         step = row["step"]
+        cause = no_update_cause(cfg, row)
+        idle = idle + 1 if cause else 0
+        if idle and idle % NO_UPDATE_WARN_STEPS == 0:
+            log.warning("steps %d-%d: no update in %d consecutive steps: %s", step - idle + 1, step, idle, cause)
+        pending = int(row.get("control/target_pending", 0))  # entropy autopilot: steps without a relative target
+        if pending == 1 or (pending and pending % 10 == 0):
+            log.warning("step %d: entropy autopilot waiting: the rollouts' entropy is 0 (rollout.temperature=%g), so "
+                        "its relative target (algorithm.entropy_control.target=%g of the first entropy) is not set; "
+                        "beta1/beta2 stay at their starting values until the entropy is > 0 (or use target_mode="
+                        "absolute)", step, cfg.rollout.temperature, cfg.algorithm.entropy_control.target)
         if cfg.eval.every and step % cfg.eval.every == 0 and trainer.test_problems:
             result = held_out_eval(trainer, desc=f"eval at step {step}")
             row["val/accuracy"] = log_eval(trainer, "periodic", result)["accuracy"]
@@ -139,8 +183,17 @@ def _train(trainer: Trainer, cfg: Config, t0: float) -> dict:
 
     def held_out(tag: str, label: str) -> None:
         if trainer.test_problems:
-            evals[tag] = log_eval(trainer, tag, held_out_eval(trainer, desc=f"held-out eval, {label}"))["accuracy"]
-            log.info("held-out accuracy %s: %.3f", label, evals[tag])
+            result = held_out_eval(trainer, desc=f"held-out eval, {label}")
+            evals[tag] = log_eval(trainer, tag, result)["accuracy"]
+            failed = result.total("scorer_failures")
+            log.info("held-out accuracy %s: %.3f%s", label, evals[tag],
+                     f" (the scorer failed on {failed} of {result.total('graded')} items)" if failed else "")
+            if tag == "base":  # before any training: a grader that fails on every item would waste the whole run
+                try:
+                    result.check_scorer(f"held-out eval of the base model (reward.fn={cfg.reward.fn})")
+                except ValueError as e:
+                    raise TrainingError(f"{e}; it grades the training rollouts too, so the run stops before "
+                                        f"training (recorded in eval.jsonl)") from None
 
     if not trainer.state.get("warm_started"):
         held_out("base", "of the base model")
@@ -169,8 +222,41 @@ def _train(trainer: Trainer, cfg: Config, t0: float) -> dict:
     return summary
 
 
+def check_new_output(path: Path, key: str, *, directory: bool, headroom: int = 0,
+                     inputs: dict[str, str] | None = None) -> None:
+    """Before the expensive part of a command: ``path`` (a file, or with ``directory`` a model directory) must be
+    new, or an empty directory; not one of ``inputs`` (``{flag: path}``) nor inside one; creatable here (path length
+    limits, a writable parent, created now). Raises a one-line :class:`ConfigError` naming ``key``."""
+    check_path_fits(str(path), key, headroom)
+    for flag, value in (inputs or {}).items():
+        src = Path(value)
+        if src.exists() and (path.resolve() == src.resolve() or src.resolve() in path.resolve().parents):
+            raise ConfigError(f"{key} {path} is also an input ({flag} {value}); writing it would destroy the input: "
+                              f"choose another path")
+    if path.is_dir() and not path.is_symlink():
+        if not directory:
+            raise ConfigError(f"{key} {path} is a directory; give the path of a new file")
+        held = sorted(p.name for p in path.iterdir())
+        if held:
+            raise ConfigError(f"{key} {path} is a directory holding {', '.join(held[:5])}"
+                              f"{', ...' if len(held) > 5 else ''}; it would be overwritten: give a new or empty "
+                              f"directory")
+    elif path.exists() or path.is_symlink():
+        raise ConfigError(f"{key} {path} is an existing file; it would be overwritten: choose a new path (or remove "
+                          f"it)")
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        probe = path.parent / f".write-test-{os.getpid()}"
+        probe.write_text("ok")
+        probe.unlink()
+    except OSError as e:
+        raise ConfigError(f"{key} {path}: cannot write in {path.parent}: {e.strerror or e}") from None
+
+
 def run_sft(cfg: Config, out: Path, steps: int) -> list[float]:
-    """Supervised warm-start of ``model.name`` on the training split's reference solutions, saved to ``out``."""
+    """Supervised warm-start of ``model.name`` on the training split's reference solutions, saved to ``out`` (new or
+    empty, checked before anything loads; written into a temporary directory beside it, then renamed)."""
+    check_new_output(out, "--out", directory=True, headroom=MODEL_DIR_HEADROOM, inputs={"model.name": cfg.model.name})
     check_task(cfg.data.task)
     train, _ = load_splits(cfg)
     check_data(replace(cfg, sft=replace(cfg.sft, steps=steps)), train)  # before the model loads
@@ -182,9 +268,17 @@ def run_sft(cfg: Config, out: Path, steps: int) -> list[float]:
                                    precision=resolve_precision(cfg.model.precision, device), progress=bar)
     finally:
         bar.close()
-    out.mkdir(parents=True, exist_ok=True)
-    model.save_pretrained(out, safe_serialization=True)
-    tok.save_pretrained(out)
+    tmp = out.parent / f".tmp-{out.name}-{os.getpid()}"
+    try:
+        tmp.mkdir()
+        model.save_pretrained(tmp, safe_serialization=True)
+        tok.save_pretrained(tmp)
+        if out.is_dir():
+            out.rmdir()  # empty, as checked up front (an entry added since makes this fail: nothing is replaced)
+        tmp.rename(out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
     return losses
 
 
@@ -233,10 +327,32 @@ def verify_model_dir(model: str) -> None:
     log.info("--model %s: checkpoint verified against its manifest", model)
 
 
-def run_eval(req: EvalRequest) -> EvalResult:
+def check_eval_request(req: EvalRequest) -> None:
+    """Every setting of ``cegppo eval`` that could fail later (or evaluate nothing), before anything loads."""
     s = req.sampling
     check_eval_settings(num_problems=req.num_problems, k=req.k, temperature=s.temperature, top_p=s.top_p,
                         max_new_tokens=s.max_new_tokens, keys=CLI_EVAL_KEYS)
+
+    def need(ok: bool, flag: str, what: str, value: object) -> None:
+        if not ok:
+            raise ConfigError(f"{flag} must be {what}, got {value!r:.60}")
+
+    def whole(v: object) -> bool:
+        return isinstance(v, int) and not isinstance(v, bool)
+
+    need(whole(req.batch_prompts) and req.batch_prompts >= 1, "--batch-prompts", "an integer >= 1 (prompts "
+         "generated together)", req.batch_prompts)
+    need(whole(req.max_prompt_tokens) and req.max_prompt_tokens >= 1, "--max-prompt-tokens", "an integer >= 1",
+         req.max_prompt_tokens)
+    need(whole(req.difficulty) and 1 <= req.difficulty <= 5, "--difficulty", "in 1..5", req.difficulty)
+    need(whole(req.seed) and 0 <= req.seed < 2**63, "--seed", "an integer >= 0", req.seed)
+    need(bool(req.data), "--data", "at least one dataset, eval set or task", req.data)
+
+
+def run_eval(req: EvalRequest) -> EvalResult:
+    """``cegppo eval``: the scorer's failures are counted per data source in the result
+    (:meth:`EvalResult.failure_note`, :meth:`EvalResult.check_scorer`)."""
+    check_eval_request(req)
     verify_model_dir(req.model)
     problems = eval_problems(req)
     reward = build_reward(req.reward, key="--reward")

@@ -36,6 +36,12 @@ Choices, all in :meth:`EntropyController.update`:
   pushes further; and the integral term alone never exceeds the output's range, so the output leaves a bound on
   the first step the error changes sign.
 - Steps without a measurement (``None``/NaN: no rollout kept) leave everything unchanged.
+- A relative target needs a positive first entropy. While the target it would set (``target`` x the measured
+  entropy) is below :data:`MIN_ENTROPY` (near-greedy sampling: a rollout temperature near 0 makes the entropy 0),
+  no target is set and the step counts as one
+  without a measurement: the betas stay at their starting values and ``control/target_pending`` counts those steps
+  (the run loop warns); the target is set from the first entropy that gives one. An absolute target is never
+  pending. (Dividing by a zero target was the ZeroDivisionError of issue 23.)
 
 The module is pure Python (no torch): the trainer, the TRL adapter and the tests share it. Its state is a small
 JSON-able dict (:meth:`EntropyController.state_dict`), checkpointed with the trainer state, so a killed and
@@ -45,7 +51,7 @@ resumed run continues exactly.
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from cegppo.errors import ConfigError
@@ -54,34 +60,42 @@ __all__ = ["CONTROLLED_OBJECTIVES", "EntropyControlConfig", "EntropyController",
            "validate_entropy_control"]
 
 CONTROLLED_OBJECTIVES = ("ce_gppo", "gppo")  # the objectives with beta1 / beta2
+MIN_ENTROPY = 1e-9  # nats/token: the smallest relative target it sets (module docstring)
+
+
+def _key(default: Any, **rule: Any) -> Any:
+    """A config key with its declared type-independent rule (``range`` metadata, read by the fuzz tests; the same
+    form as :func:`cegppo.config.schema.key`)."""
+    return field(default=default, metadata={"range": rule})
 
 
 @dataclass
 class EntropyControlConfig:
-    """``algorithm.entropy_control`` in the run config (off by default)."""
+    """``algorithm.entropy_control`` in the run config (off by default). Every range holds whether it is on or not;
+    the betas' bounds are checked against the objective's starting betas when it is on."""
 
-    enabled: bool = False
-    target: float = 1.0  # relative: a fraction of the entropy measured at the first RL step; absolute: nats/token
-    target_mode: str = "relative"  # relative | absolute
-    band: float = 0.05  # |H - target| <= band * target counts as on target (no integration there)
-    kp: float = 3.0  # beta per unit relative error
-    ki: float = 1.0  # beta per unit relative error per step
-    ema: float = 0.5  # smoothing: weight of the newest entropy measurement (1 = no smoothing)
-    beta1_min: float = 0.0
-    beta1_max: float = 2.0
-    move_beta2: bool = False  # also move beta2 once beta1 is at a bound (its effect is not established)
-    beta2_min: float = 0.5
-    beta2_max: float = 1.5
-    bonus_gain: float = 0.0  # entropy-bonus coefficient per unit of negative signal (0: no bonus lever)
-    bonus_max: float = 0.05  # the largest entropy-bonus coefficient it may apply
+    enabled: bool = _key(False)
+    # relative: a fraction of the entropy measured at the first RL step; absolute: nats/token
+    target: float = _key(1.0, gt=0)
+    target_mode: str = _key("relative", choices=("relative", "absolute"))  # relative | absolute
+    # |H - target| <= band * target counts as on target (no integration there)
+    band: float = _key(0.05, ge=0, lt=1)
+    kp: float = _key(3.0, ge=0)  # beta per unit relative error
+    ki: float = _key(1.0, ge=0)  # beta per unit relative error per step
+    ema: float = _key(0.5, gt=0, le=1)  # smoothing: weight of the newest entropy measurement (1 = no smoothing)
+    beta1_min: float = _key(0.0, ge=0, cross=("beta1_max",))
+    beta1_max: float = _key(2.0, ge=0, cross=("beta1_min",))
+    move_beta2: bool = _key(False)  # also move beta2 once beta1 is at a bound (its effect is not established)
+    beta2_min: float = _key(0.5, ge=0, cross=("beta2_max",))
+    beta2_max: float = _key(1.5, ge=0, cross=("beta2_min",))
+    bonus_gain: float = _key(0.0, ge=0)  # entropy-bonus coefficient per unit of negative signal (0: no bonus lever)
+    bonus_max: float = _key(0.05, ge=0)  # the largest entropy-bonus coefficient it may apply
 
 
 def validate_entropy_control(cfg: EntropyControlConfig, objective: str, hparams: dict[str, Any],
                              where: str = "algorithm.entropy_control") -> None:
-    """Range checks, and that the objective has betas the controller can move (raises ``ConfigError``)."""
-
-    if not cfg.enabled:
-        return
+    """Range checks (on or off), and when on, that the objective has betas the controller can move (raises
+    ``ConfigError``)."""
 
     def need(ok: bool, key: str, what: str, value: Any) -> None:
         if not ok:
@@ -90,9 +104,6 @@ def validate_entropy_control(cfg: EntropyControlConfig, objective: str, hparams:
     def finite(v: Any) -> bool:
         return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
 
-    if objective not in CONTROLLED_OBJECTIVES:
-        raise ConfigError(f"{where}: the entropy controller steers beta1/beta2, which only {CONTROLLED_OBJECTIVES} "
-                          f"have; algorithm.objective is {objective!r}")
     need(cfg.target_mode in ("relative", "absolute"), "target_mode", "'relative' or 'absolute'", cfg.target_mode)
     need(finite(cfg.target) and cfg.target > 0, "target", "a number > 0", cfg.target)
     need(finite(cfg.band) and 0 <= cfg.band < 1, "band", "in [0, 1)", cfg.band)
@@ -101,12 +112,19 @@ def validate_entropy_control(cfg: EntropyControlConfig, objective: str, hparams:
     need(finite(cfg.ema) and 0 < cfg.ema <= 1, "ema", "in (0, 1]", cfg.ema)
     for key in ("bonus_gain", "bonus_max"):
         need(finite(getattr(cfg, key)) and getattr(cfg, key) >= 0, key, "a finite number >= 0", getattr(cfg, key))
+    for b in ("beta1", "beta2"):
+        lo, hi = getattr(cfg, f"{b}_min"), getattr(cfg, f"{b}_max")
+        need(finite(lo) and finite(hi) and 0 <= lo <= hi, f"{b}_min / {b}_max", "finite with 0 <= min <= max", (lo, hi))
+    if not cfg.enabled:
+        return
+    if objective not in CONTROLLED_OBJECTIVES:
+        raise ConfigError(f"{where}: the entropy controller steers beta1/beta2, which only {CONTROLLED_OBJECTIVES} "
+                          f"have; algorithm.objective is {objective!r}")
     from cegppo.algorithm.objectives import OBJECTIVES, get_objective
 
     hp = {**OBJECTIVES[objective].defaults, **hparams}
     for b in ("beta1", "beta2"):
         lo, hi = getattr(cfg, f"{b}_min"), getattr(cfg, f"{b}_max")
-        need(finite(lo) and finite(hi) and 0 <= lo <= hi, f"{b}_min / {b}_max", "finite with 0 <= min <= max", (lo, hi))
         if b == "beta1" or cfg.move_beta2:
             need(lo <= hp[b] <= hi, f"{b}_min / {b}_max", f"around the starting {b}={hp[b]}", (lo, hi))
     try:  # the largest betas must still be valid hyperparameters (beta1 (1 - eps_low) < clip_ratio_c)
@@ -128,6 +146,7 @@ class EntropyController:
         self.beta1, self.beta2 = self.beta1_0, self.beta2_0
         self.entropy_coeff = 0.0  # the entropy bonus it applies (bonus_gain > 0)
         self.updates = 0
+        self.pending = 0  # steps whose entropy was too small to set the relative target
 
     # the range of the control signal s: how far beta1 (then beta2) can move from where they started, and on the
     # low side how far s must go for the bonus to reach bonus_max
@@ -143,7 +162,10 @@ class EntropyController:
     def update(self, entropy: float | None) -> dict[str, float]:
         """One step: new betas from this step's measured token-mean entropy (``None``/NaN: no change)."""
         c = self.cfg
-        if entropy is not None and math.isfinite(entropy):
+        if entropy is not None and math.isfinite(entropy) and self.target is None and not c.target * entropy >= \
+                MIN_ENTROPY:
+            self.pending += 1  # a zero first entropy: no relative target yet, nothing changes
+        elif entropy is not None and math.isfinite(entropy):
             h = float(entropy)
             self.smoothed = h if self.smoothed is None else (1 - c.ema) * self.smoothed + c.ema * h
             if self.target is None:  # relative target: a fraction of the first measured entropy
@@ -171,19 +193,23 @@ class EntropyController:
             out["control/target"] = self.target
         if self.smoothed is not None:
             out["control/entropy_smoothed"] = self.smoothed
+        if self.target is None and self.pending:
+            out["control/target_pending"] = float(self.pending)
         return out
 
     def state_dict(self) -> dict[str, Any]:
         """JSON-able state (floats round-trip exactly through ``json``)."""
         return {"config": asdict(self.cfg), "beta1_0": self.beta1_0, "beta2_0": self.beta2_0,
                 "integral": self.integral, "smoothed": self.smoothed, "target": self.target, "error": self.error,
-                "beta1": self.beta1, "beta2": self.beta2, "entropy_coeff": self.entropy_coeff, "updates": self.updates}
+                "beta1": self.beta1, "beta2": self.beta2, "entropy_coeff": self.entropy_coeff, "updates": self.updates,
+                "pending": self.pending}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore the dynamic state; the configuration stays this controller's (a resumed run's config wins)."""
         for key in ("beta1_0", "beta2_0", "integral", "smoothed", "target", "error", "beta1", "beta2", "updates"):
             setattr(self, key, state[key])
         self.entropy_coeff = state.get("entropy_coeff", 0.0)  # absent in states saved before the bonus lever
+        self.pending = state.get("pending", 0)  # absent in states saved before the zero-entropy rule
         if self.cfg.target_mode == "absolute":
             self.target = self.cfg.target
 

@@ -84,6 +84,46 @@ def _check_numbers(obj: Any, where: str) -> None:
             _need(-MAX_INT - 1 <= value <= MAX_INT, key, "an integer that fits 64 bits", value)
 
 
+# The longest path a run creates under output_dir, e.g. checkpoints/.tmp-step_000000-<pid>/tokenizer_config.json
+# (58 characters) or tensorboard/events.out.tfevents.<time>.<host>.<pid>.<n> (up to ~120 with a 64-byte host name);
+# tests/test_outputs.py checks a real run's files against it.
+RUN_PATH_HEADROOM = 160
+# cegppo sft --out / a checkpoint directory: .tmp-<name>-<pid> beside it, and its files (special_tokens_map.json)
+MODEL_DIR_HEADROOM = 64
+
+
+def _limit(path: str, name: str, default: int) -> int:
+    """``os.pathconf`` of the nearest existing ancestor of ``path`` (NAME_MAX / PATH_MAX of its file system)."""
+    probe = path
+    while probe and not os.path.exists(probe):
+        parent = os.path.dirname(probe)
+        if parent == probe:
+            break
+        probe = parent
+    try:
+        return int(os.pathconf(probe or "/", name))
+    except (OSError, ValueError):
+        return default
+
+
+def check_path_fits(path: str, key: str, headroom: int = 0) -> None:
+    """ConfigError naming ``key`` when ``path`` cannot be created here: a component longer than NAME_MAX bytes, or
+    the absolute path plus ``headroom`` (the longest path that will be created under it) over PATH_MAX."""
+    absolute = os.path.abspath(path)
+    try:
+        raw = os.fsencode(absolute)
+    except UnicodeError:
+        raise ConfigError(f"{key}: the path {show(path)} cannot be encoded for the file system") from None
+    name_max, path_max = _limit(absolute, "PC_NAME_MAX", 255), _limit(absolute, "PC_PATH_MAX", 4096)
+    for part in raw.split(b"/"):
+        if len(part) > name_max:
+            raise ConfigError(f"{key}: the path component {show(os.fsdecode(part), 40)} is {len(part)} bytes; a name "
+                              f"may have at most {name_max} here (NAME_MAX)")
+    if len(raw) + headroom > path_max - 1:
+        raise ConfigError(f"{key} is {len(raw)} bytes long as an absolute path; the files written under it need up to "
+                          f"{headroom} more, over the {path_max - 1}-byte limit here (PATH_MAX): use a shorter path")
+
+
 def _path(value: Any, key: str, optional: bool = False) -> str | None:
     if value is None and optional:
         return None
@@ -137,6 +177,7 @@ def validate(cfg: Config) -> None:
     _check_numbers(cfg, "")
 
     cfg.output_dir = _path(cfg.output_dir, "output_dir")
+    check_path_fits(cfg.output_dir, "output_dir", RUN_PATH_HEADROOM)  # not at the first checkpoint
     _model(cfg.model)
     _data(cfg.data)
     _algorithm(cfg.algorithm)
@@ -238,7 +279,8 @@ def _reward(w: RewardConfig, r: RolloutConfig) -> None:
 
 def _optim(o: OptimConfig) -> None:
     need = _need
-    need(o.lr >= 0, "optim.lr", "a finite number >= 0", o.lr)
+    need(0 <= o.lr <= 1, "optim.lr", "a finite number >= 0 and <= 1 (AdamW moves every weight by about lr per step: "
+         "a larger lr makes the weights overflow)", o.lr)
     need(o.warmup_steps >= 0, "optim.warmup_steps", ">= 0", o.warmup_steps)
     need(o.weight_decay >= 0, "optim.weight_decay", "a finite number >= 0", o.weight_decay)
     need(o.grad_clip > 0, "optim.grad_clip", "a finite number > 0", o.grad_clip)
@@ -251,7 +293,8 @@ def _sft(s: SFTConfig) -> None:
     need = _need
     need(s.steps >= 0, "sft.steps", ">= 0 (0 = no warm-start)", s.steps)
     need(s.batch_size >= 1, "sft.batch_size", ">= 1", s.batch_size)
-    need(s.lr >= 0, "sft.lr", "a finite number >= 0", s.lr)
+    need(0 <= s.lr <= 1, "sft.lr", "a finite number >= 0 and <= 1 (AdamW moves every weight by about lr per step)",
+         s.lr)
     need(s.warmup_steps >= 0, "sft.warmup_steps", ">= 0", s.warmup_steps)
 
 

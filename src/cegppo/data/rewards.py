@@ -131,12 +131,22 @@ def math_lenient(completion: str, ground_truth: str) -> bool:
 # ----------------------------------------------------------------------------------------------------
 
 
+TIMEOUT_PREFIX = "timed out after"  # how a per-item timeout's failure message starts
+
+
 @dataclass
 class RewardResult:
+    """One batch's grades. ``failures`` counts the items the scorer failed on (raised, timed out or returned
+    garbage: each scored incorrect), ``timeouts`` the timed-out ones among them; ``failed`` / ``timed_out`` flag
+    each item (empty when the producer of the result does not track items)."""
+
     scores: list[float]
     correct: list[bool]
     failures: int = 0
     failure_messages: list[str] = field(default_factory=list)
+    timeouts: int = 0
+    failed: list[bool] = field(default_factory=list)
+    timed_out: list[bool] = field(default_factory=list)
 
     @property
     def accuracy(self) -> float:
@@ -209,6 +219,9 @@ class RewardFn:
             score, ok, err = self.score_one(c, a)
             res.scores.append(score)
             res.correct.append(ok)
+            res.failed.append(err is not None)
+            res.timed_out.append(err is not None and err.startswith(TIMEOUT_PREFIX))
+            res.timeouts += res.timed_out[-1]
             if err is not None:
                 res.failures += 1
                 if len(res.failure_messages) < self.max_messages:
@@ -220,7 +233,7 @@ class RewardFn:
         try:
             return self._run(completion, answer)
         except _ScorerTimeout:
-            return self.incorrect_score, False, f"timed out after {self.timeout:g} s"
+            return self.incorrect_score, False, f"{TIMEOUT_PREFIX} {self.timeout:g} s"
         except KeyboardInterrupt:
             raise
         except BaseException as e:  # noqa: BLE001 - the timer itself failed: still one counted failure

@@ -109,6 +109,12 @@ def build_optimizer(o: OptimConfig, model: torch.nn.Module) -> tuple[torch.optim
     return optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, lr_multiplier(o.warmup_steps))
 
 
+def weights_finite(model: torch.nn.Module) -> bool:
+    """Whether every trainable weight is finite (one reduction per tensor, one host sync)."""
+    flags = [torch.isfinite(p).all() for p in model.parameters() if p.requires_grad]
+    return bool(torch.stack(flags).all()) if flags else True
+
+
 def set_lr(optimizer: torch.optim.Optimizer, scheduler: Any, lr: float) -> None:
     """A changed ``optim.lr`` on resume: the loaded optimizer/scheduler state carries the old one, so set the
     scheduler's base and the groups' initial and current lr (the warm-up multiplier at the current step)."""

@@ -20,7 +20,7 @@ from fnmatch import fnmatchcase
 from pathlib import Path
 from typing import Any
 
-from cegppo.config import Config, save_config
+from cegppo.config import Config, save_config, validate
 from cegppo.engine import checkpoint as ckpt
 from cegppo.engine.runlock import RunLock, RunLockedError
 from cegppo.io import append_jsonl, atomic_write_json, atomic_write_text, read_jsonl
@@ -40,11 +40,16 @@ class RunInterrupted(KeyboardInterrupt):
         self.step = step
 
 
-# The files a run writes into its directory. A fresh run into a directory holding any of them is refused
-# (``--resume`` continues that run, ``--overwrite`` removes exactly these and starts over); anything else in the
-# directory is left alone.
-RUN_FILES = ("run.json", "config.yaml", "config_changes.jsonl", "metrics.jsonl", "eval.jsonl", "summary.json",
+# The files a run writes into its directory. The run's own record, ``run.json`` (written first), lists them under
+# "files": they are the run's. A fresh run into a directory holding a run is refused (``--resume`` continues it,
+# ``--overwrite`` removes exactly the recorded files and starts over); a file with one of these names that no run
+# recorded (a hand-written config.yaml, a directory without run.json) is never counted as a run nor deleted: a run
+# would replace it, so it is refused until moved. Anything else in the directory is left alone.
+RUN_RECORD = "run.json"
+RUN_FILES = (RUN_RECORD, "config.yaml", "config_changes.jsonl", "metrics.jsonl", "eval.jsonl", "summary.json",
              "training_curves.png", "checkpoints", "tensorboard", "wandb")
+# What a run holds that a restart from scratch would lose (a run holding none of it has done no work yet)
+WORK_FILES = ("metrics.jsonl", "eval.jsonl", "summary.json", "checkpoints")
 
 # The resume contract: which config keys may differ between a run's start and a ``--resume`` of it. Patterns are
 # dotted keys (``*`` matches the rest, dots included); a nested mapping (``algorithm.hparams``) is compared key by
@@ -202,18 +207,53 @@ class RunDir:
 
     # ---------------------------------------------------------------------------------------------- a run's start
     def run_files(self) -> list[Path]:
-        """The files of a previous run present in the directory (see :data:`RUN_FILES`)."""
-        return [self.path / name for name in RUN_FILES if (self.path / name).exists()]
+        """The files with a run file's name present in the directory (see :data:`RUN_FILES`)."""
+        return [self.path / name for name in RUN_FILES if (self.path / name).exists() or (self.path / name).is_symlink()]
+
+    def recorded_files(self) -> set[str] | None:
+        """The names the directory's run recorded as its own in ``run.json`` (``run.json`` included), or None when
+        there is no readable run record. A record written before the list existed owns every run file name."""
+        try:
+            record = json.loads((self.path / RUN_RECORD).read_text())
+        except (OSError, ValueError):
+            return None
+        if not isinstance(record, dict) or not isinstance(record.get("run_id"), str):
+            return None
+        files = record.get("files", RUN_FILES)
+        return {RUN_RECORD, *(f for f in files if f in RUN_FILES)} if isinstance(files, list) else {RUN_RECORD}
+
+    def foreign_files(self) -> list[Path]:
+        """Files with a run file's name that no run recorded writing: a run would replace them."""
+        owned = self.recorded_files() or set()
+        return [p for p in self.run_files() if p.name not in owned]
+
+    def check_inputs(self, inputs: dict[str, str | None]) -> None:
+        """Refuse an input (``{key: path}``: data files, the model directory) that is, or lies inside, one of this
+        directory's run files: the run writes, truncates or prunes them (``--overwrite`` deletes them)."""
+        root = self.path.resolve()
+        for key, value in inputs.items():
+            if not value or not Path(value).exists():
+                continue  # a preset or hub name, or a missing file (reported where it is loaded)
+            p = Path(value).resolve()
+            for name in RUN_FILES:
+                target = root / name
+                if p == target or target in p.parents:
+                    raise TrainingError(f"{key} {value} is inside this run's {name} (output_dir {self.path}), which "
+                                        f"the run writes: move the input, or choose another output_dir")
 
     def begin(self, cfg: Config, resume: bool, overwrite: bool) -> tuple[Path | None, str, list[tuple[str, Any, Any]]]:
         """Where a run starts: (the checkpoint it resumes from or None, its run id, the config changes to apply).
-        A fresh run checks the directory holds no other run; a resumed one checks the resume contract."""
+        A fresh run checks the directory holds no other run; a resumed one checks the resume contract. A ``--resume``
+        that cannot continue the run (no valid checkpoint) never replaces it."""
+        validate(cfg)  # a Config built in code never went through load_config: checked before anything loads
+        self.check_inputs({"data.train_path": cfg.data.train_path, "data.test_path": cfg.data.test_path,
+                           "model.name": cfg.model.name})
         resume_from = ckpt.latest_valid_checkpoint(self.checkpoints) if resume else None
         if resume and resume_from is None:
+            self.check_restart(cfg)
             log.warning("--resume: no valid checkpoint under %s; starting from scratch", self.checkpoints)
         if resume_from is None:
-            if not resume:
-                self.check_fresh(overwrite)
+            self.check_fresh(overwrite, restart=resume)
             return None, self.new_run_id(), []
         saved = ckpt.read_trainer_state(resume_from)  # the run's identity and config come from the checkpoint
         run_id = saved.get("run_id") or self.read_run_id() or self.new_run_id()
@@ -223,12 +263,46 @@ class RunDir:
             return resume_from, run_id, []
         return resume_from, run_id, self.resume_changes(old_cfg, cfg)
 
-    def check_fresh(self, overwrite: bool) -> None:
-        """Before a fresh run: refuse a directory holding another run's files, or remove them (``overwrite``)."""
+    @staticmethod
+    def _names(paths: list[Path]) -> str:
+        return ", ".join(p.name + ("/" if p.is_dir() else "") for p in paths)
+
+    def check_restart(self, cfg: Config) -> None:
+        """``--resume`` found no valid checkpoint: starting from scratch is allowed only where it loses nothing (no
+        run, or a run with no work yet and the same fixed config); otherwise refused, naming why, the run intact."""
+        if self.recorded_files() is None:
+            return  # no run here (files without a record are refused by check_fresh)
+        def holds(p: Path) -> bool:
+            return any(p.iterdir()) if p.is_dir() else p.exists() and p.stat().st_size > 0
+
+        work = [self.path / n for n in WORK_FILES if holds(self.path / n)]
+        saved = ckpt.list_checkpoints(self.checkpoints)
+        why = (f"{len(saved)} checkpoint(s) under checkpoints/, none intact (see the warnings above)" if saved else
+               "no checkpoint was written (train.save_every=0 writes none, and a run stopped before its first "
+               "checkpoint has none)")
+        if work:
+            raise TrainingError(f"--resume refused: {self.path} holds a run with work in {self._names(work)} but "
+                                f"{why}, so it cannot be continued, and a restart would replace it (nothing was "
+                                f"changed); start over with --overwrite (without --resume), or use another output_dir")
+        old = self.read_config()
+        if old is not None:
+            self.resume_changes(old, cfg)  # the same run, or refused: a restart must not change what the run is
+
+    def check_fresh(self, overwrite: bool, restart: bool = False) -> None:
+        """Before a fresh run: refuse a directory holding another run's files, or remove them (``overwrite``);
+        refuse files with a run file's name that no run recorded (neither a run nor ours to delete). ``restart``:
+        a ``--resume`` that :meth:`check_restart` let start over the run's own files."""
+        foreign = self.foreign_files()
+        if foreign:
+            them = "it" if len(foreign) == 1 else "them"
+            raise TrainingError(f"{self.path} holds {self._names(foreign)}, which no cegppo run recorded writing "
+                                f"(no {RUN_RECORD} lists {them}); a run would replace {them}, so it is refused (even "
+                                f"with --overwrite, which deletes only a run's recorded files): move {them} away, or "
+                                f"choose another output_dir")
         found = self.run_files()
-        if not found:
+        if not found or restart:
             return
-        names = ", ".join(p.name + ("/" if p.is_dir() else "") for p in found)
+        names = self._names(found)
         if not overwrite:
             raise TrainingError(f"{self.path} already holds a run ({names}); pass --resume to continue it, or "
                                 f"--overwrite to delete it and start over")
@@ -253,8 +327,9 @@ class RunDir:
     def start(self, run_id: str, cfg: Config) -> None:
         """A fresh run's record: ``run.json`` (its id) and ``config.yaml`` (its config, fixed from now on)."""
         self.changes.unlink(missing_ok=True)  # a restart from scratch (--resume without a checkpoint)
-        atomic_write_json(self.path / "run.json", {
-            "run_id": run_id, "started": datetime.now(timezone.utc).isoformat(timespec="seconds"), **self.provenance})
+        atomic_write_json(self.path / RUN_RECORD, {
+            "run_id": run_id, "started": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+            "files": list(RUN_FILES), **self.provenance})  # the record: these names are this run's
         self.save_config(cfg)
 
     def read_config(self) -> dict | None:
@@ -299,7 +374,8 @@ class RunDir:
         if not (self.path / "config.yaml").exists():
             self.save_config(cfg)
         if self.read_run_id() != run_id:  # missing, or the checkpoint was brought from elsewhere: its id wins
-            atomic_write_json(self.path / "run.json", {"run_id": run_id, "started": None, **self.provenance})
+            atomic_write_json(self.path / RUN_RECORD, {"run_id": run_id, "started": None, "files": list(RUN_FILES),
+                                                       **self.provenance})
 
     def truncate_logs(self, step: int, resumed: bool) -> None:
         """Drop metric and eval rows logged after the checkpoint we resume from (all of them on a fresh start):

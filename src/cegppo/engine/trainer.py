@@ -25,7 +25,8 @@ from cegppo.config import Config, check_data, check_prompt_budget
 from cegppo.data.tasks import check_task
 from cegppo.engine import checkpoint as ckpt
 from cegppo.engine.components import (DataOrder, build_optimizer, build_policy, build_reference, build_reward,
-                                      build_rollout, configure_torch, load_splits, set_lr, step_seed)
+                                      build_rollout, configure_torch, load_splits, set_lr, step_seed,
+                                      weights_finite)
 from cegppo.engine.batching import Experience, column_token_stats, entropy_mean, entropy_sum, micro_batches
 from cegppo.engine.models import resolve_device, resolve_precision
 from cegppo.engine.reporter import Reporter, Silent
@@ -268,6 +269,10 @@ class Trainer:
         if bool(finite_loss & torch.isfinite(grad_norm)):
             failpoint("optimizer-step", step)
             self.optimizer.step()
+            if not weights_finite(self.model):  # a finite gradient times a huge lr: nothing left to sample from
+                raise TrainingError(f"step {step}: the update made the weights non-finite (optim.lr="
+                                    f"{self.optimizer.param_groups[0]['lr']:g}); stopping. Last checkpoint: "
+                                    f"{ckpt.latest_valid_checkpoint(self.run.checkpoints)}")
             return True
         self.optimizer.zero_grad(set_to_none=True)  # NaN/Inf in the logits, loss or gradient: keep the weights
         log.warning("step %d: non-finite %s; update skipped (train/skipped_updates)", step,

@@ -83,11 +83,31 @@ def compare_figure(runs: list[Run], keys: list[str] | None = None):
     return fig
 
 
+def output_names() -> list[str]:
+    """Every file name ``compare_runs`` may write into its output directory."""
+    return ["compare.png"] + [k.replace("/", "_") + ".png" for k, *_ in PANELS + [BETA_PANEL]] + ["summary.md"]
+
+
+def check_output(runs: list[Path], out: Path) -> None:
+    """Before reading anything: ``out`` must not be one of the runs or inside one (an input), nor hold a file this
+    command writes (an earlier comparison is never overwritten). Raises a one-line ``ValueError``."""
+    for r in runs:
+        if out.resolve() == r.resolve() or r.resolve() in out.resolve().parents:
+            raise ValueError(f"--out {out} is inside the compared run {r} (an input); give a directory outside the "
+                             f"runs")
+    held = [n for n in output_names() if (out / n).exists() or (out / n).is_symlink()]
+    if held:
+        raise ValueError(f"--out {out} already holds {', '.join(held[:4])}{', ...' if len(held) > 4 else ''} (an "
+                         f"earlier comparison?); they would be overwritten: give a new directory, or remove them")
+
+
 def compare_runs(runs: list[Path], out: Path) -> list[Path]:
-    """Write ``compare.png`` (all panels), one ``<metric>.png`` per panel with data, and ``summary.md``."""
+    """Write ``compare.png`` (all panels), one ``<metric>.png`` per panel with data, and ``summary.md`` into ``out``
+    (refused up front when that would overwrite a file or write into a compared run)."""
     for r in runs:
         if not (r / "metrics.jsonl").is_file():
             raise FileNotFoundError(f"{r} is not a cegppo run directory (no metrics.jsonl)")
+    check_output(runs, out)
     out.mkdir(parents=True, exist_ok=True)
     plt = pyplot()
     loaded = [Run.load(r) for r in runs]
