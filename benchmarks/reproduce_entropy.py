@@ -60,6 +60,16 @@ OBJECTIVES_A = [("GRPO", "ppo_clip", dict(eps_low=0.2, eps_high=0.2, clip_ratio_
 ]
 
 
+def objectives_a(args) -> list[tuple[str, str, dict]]:
+    """Part A's grid, or the cells named by ``--objectives`` (GRPO always: every contrast is paired against it)."""
+    if not getattr(args, "objectives", None):
+        return OBJECTIVES_A
+    unknown = set(args.objectives) - {label for label, _, _ in OBJECTIVES_A}
+    if unknown:
+        sys.exit(f"--objectives: unknown {sorted(unknown)}; choose from {[label for label, _, _ in OBJECTIVES_A]}")
+    return [o for o in OBJECTIVES_A if o[0] == "GRPO" or o[0] in args.objectives]
+
+
 def addition_problems(lo: int, hi: int, seed: int) -> tuple[list[Problem], list[Problem]]:
     """All a + b with a, b in [lo, hi], split 3:1 into train / held-out by a seeded shuffle (disjoint)."""
     pairs = [(a, b) for a in range(lo, hi + 1) for b in range(lo, hi + 1)]
@@ -144,7 +154,7 @@ def part_a(args, model, tok) -> tuple[list[dict], dict]:
     theta0 = {k: v.detach().clone() for k, v in model.state_dict().items()}
     h0 = mean_entropy(model, held, args.temperature)
     print(f"[A] held-out: {args.heldout} teacher-forced responses, entropy {h0:.4f} nats/token at T={args.temperature}")
-    objectives = [(label, get_objective(name, **hp)) for label, name, hp in OBJECTIVES_A]
+    objectives = [(label, get_objective(name, **hp)) for label, name, hp in objectives_a(args)]
     per_batch: dict[str, list[dict]] = {label: [] for label, _ in objectives}
     rng = random.Random(args.seed + 1)
     accs = []
@@ -192,7 +202,7 @@ def part_a(args, model, tok) -> tuple[list[dict], dict]:
     scale = sum(x * y for x, y in zip(xs, ys)) / max(sum(x * x for x in xs), 1e-30)
     rows = []
     grpo = per_batch["GRPO"]
-    for label, name, hp in OBJECTIVES_A:
+    for label, name, hp in objectives_a(args):
         rs = per_batch[label]
         dh, dh_sem = mean_sem([r["dH"] for r in rs])
         dhb, dhb_sem = mean_sem([r["dH_batch"] for r in rs])
@@ -315,17 +325,30 @@ def verdicts(per_update: list[dict], runs: list[dict], per_batch: dict | None = 
             return f"{sig}/{len(ms)} contrasts in the claimed direction beyond 2 SE, {rev} reversed beyond 2 SE"
 
         fmt = lambda ms: ", ".join(f"{m:+.2e} +- {se:.1e}" for m, se in ms)  # noqa: E731
+        have = lambda *cells: all(c in by for c in cells)  # noqa: E731  (--objectives may measure a subset)
+        b1s = [b1 for b1 in (0.0, 0.5, 1.0) if have(f"CE-GPPO({b1},1.0)", f"CE-GPPO({b1},0.5)")]
+        b2s = [b2 for b2 in (0.5, 1.0) if have(f"CE-GPPO(1.0,{b2})", f"CE-GPPO(0.0,{b2})")]
         for key, where in (("dH", "held-out responses"), ("dH_batch", "the batch's own states")):
-            d_b2 = [contrast(f"CE-GPPO({b1},1.0)", f"CE-GPPO({b1},0.5)", key) for b1 in (0.0, 0.5, 1.0)]
-            d_b1 = [contrast(f"CE-GPPO(1.0,{b2})", f"CE-GPPO(0.0,{b2})", key) for b2 in (0.5, 1.0)]
-            holds = all(m > 2 * se for m, se in d_b2) and all(-m > 2 * se for m, se in d_b1)
-            out.append(f"(a) on {where}: beta2 0.5 -> 1 changes dH by {fmt(d_b2)} (beta1 = 0, 0.5, 1): "
-                       f"{verdict(d_b2, +1)}; beta1 0 -> 1 changes it by {fmt(d_b1)} (beta2 = 0.5, 1): {verdict(d_b1, -1)}. "
-                       f"Coordination claim (dH rises with beta2 and falls with beta1): "
-                       f"{'HOLDS' if holds else 'NOT ESTABLISHED'} here.")
+            d_b2 = [contrast(f"CE-GPPO({b1},1.0)", f"CE-GPPO({b1},0.5)", key) for b1 in b1s]
+            d_b1 = [contrast(f"CE-GPPO(1.0,{b2})", f"CE-GPPO(0.0,{b2})", key) for b2 in b2s]
+            parts = []
+            if d_b2:
+                parts.append(f"beta2 0.5 -> 1 changes dH by {fmt(d_b2)} (beta1 = {', '.join(map(str, b1s))}): "
+                             f"{verdict(d_b2, +1)}")
+            else:
+                parts.append("beta2 not varied (no contrast)")
+            if d_b1:
+                parts.append(f"beta1 0 -> 1 changes it by {fmt(d_b1)} (beta2 = {', '.join(map(str, b2s))}): "
+                             f"{verdict(d_b1, -1)}")
+            holds = bool(d_b2 and d_b1) and all(m > 2 * se for m, se in d_b2) and all(-m > 2 * se for m, se in d_b1)
+            b1_down = bool(d_b1) and all(-m > 2 * se for m, se in d_b1)
+            out.append(f"(a) on {where}: " + "; ".join(parts) + ". Coordination claim (dH rises with beta2 and falls "
+                       f"with beta1): {'HOLDS' if holds else 'NOT ESTABLISHED'} here"
+                       + (f"; raising beta1 lowers entropy: {'SHOWN (every contrast beyond 2 SE)' if b1_down else 'NOT SHOWN'}"
+                          if d_b1 else "") + ".")
         out.append(f"    GRPO's own held-out dH per update: {pb['dH_mean']:+.2e} +- {pb['dH_sem']:.1e}.")
-        d = by["DAPO"]
-        out.append(f"(b) DAPO - GRPO held-out dH, paired: {d['paired_vs_grpo_mean']:+.2e} +- {d['paired_vs_grpo_sem']:.1e} "
+        d = by.get("DAPO")
+        out.append("(b) DAPO not measured (--objectives)." if d is None else f"(b) DAPO - GRPO held-out dH, paired: {d['paired_vs_grpo_mean']:+.2e} +- {d['paired_vs_grpo_sem']:.1e} "
                    f"(t = {t(d['paired_vs_grpo_mean'], d['paired_vs_grpo_sem']):.1f}); on the batch's own states "
                    f"{d['paired_vs_grpo_batch_mean']:+.2e} +- {d['paired_vs_grpo_batch_sem']:.1e}. DAPO > GRPO: "
                    f"{'HOLDS' if d['paired_vs_grpo_mean'] > 2 * d['paired_vs_grpo_sem'] else 'NOT SHOWN (within 2 SE or reversed)'}.")
@@ -411,6 +434,9 @@ def report(args, per_update, meta, runs, claims, figures, wall, command: str, re
         batches = meta.get("batches_measured", args.batches)
         short = (f" (stopped at the time limit, `--max-minutes {args.max_minutes}`; {args.batches} asked)"
                  if batches < args.batches else "")
+        if getattr(args, "objectives", None):
+            lines += [f"**A reduced grid** (`--objectives`): GRPO and {', '.join(args.objectives)} only, of the "
+                      f"{len(OBJECTIVES_A)} cells of the full design.", ""]
         lines += ["## A. Per-update entropy response", "",
                   f"{args.model}, policy = softmax(logits / {args.temperature}); addition a + b (2..12), free-form "
                   f"answers graded by math-verify (lenient, +1/-1); {batches} rollout batches{short} of {args.prompts} prompts x "
@@ -463,6 +489,9 @@ def main() -> None:
     ap.add_argument("--max-prompt-tokens", type=int, default=96)
     ap.add_argument("--precision", choices=["auto", "fp32", "bf16"], default="auto",
                     help="auto: bf16 autocast over fp32 weights where bf16 is fast (AVX512-BF16/AMX), else fp32")
+    ap.add_argument("--objectives", nargs="+", metavar="LABEL",
+                    help="part A: measure only these cells of the grid (GRPO is always measured), e.g. "
+                         "'CE-GPPO(0.0,1.0)' 'CE-GPPO(1.0,1.0)' for the beta1 contrast alone")
     ap.add_argument("--threads", type=int, default=None,
                     help="torch threads (default torch's; on a loaded machine 1 can be several times faster)")
     ap.add_argument("--max-minutes", type=float, default=None,
