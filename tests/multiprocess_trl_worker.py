@@ -78,8 +78,11 @@ def main() -> None:
     args = CEGPPOConfig(
         output_dir=out_dir, per_device_train_batch_size=per_device, gradient_accumulation_steps=grad_accum,
         num_generations=NUM_GENERATIONS, max_completion_length=16, logging_steps=1, report_to="none",
-        save_strategy="no", use_cpu=True, bf16=False, seed=0, max_steps=2, num_iterations=2, optim="sgd", learning_rate=3.0,
-        max_grad_norm=0.0, beta1=0.5, beta2=1.0, ddp_backend="gloo" if world > 1 else None,
+        save_strategy="no", use_cpu=True, bf16=False, seed=0, max_steps=2, num_iterations=2,
+        # SGD: the update is linear in the gradient, so equal gradients give equal weights for the off-policy step
+        # (Adam's g / sqrt(v) amplifies rounding in near-zero gradients); lr large enough that the beta regions act
+        optim="sgd", learning_rate=3.0, max_grad_norm=0.0, beta1=0.5, beta2=1.0,
+        ddp_backend="gloo" if world > 1 else None,
     )
     trainer = ReplayTrainer(model=model_dir, reward_funcs=[length_reward], args=args, train_dataset=dataset)
     trainer.train()

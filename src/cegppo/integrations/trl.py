@@ -12,7 +12,8 @@ everything around it, as in TRL 1.16.0's ``loss_type="dapo"``:
 Metrics logged, each the token mean over all micro-batches of the logging window and all processes: TRL's
 ``entropy``, ``kl``, ``clip_ratio/{low,high,region}_mean``, plus ``clip/low_frac``, ``clip/high_frac``,
 ``clip/dual_frac``, ``ppo_kl``, ``ratio/mean`` and the quadrant metrics ``quadrant/<Q>/{frac,entropy}`` (Q in PA_HP,
-PA_LP, NA_HP, NA_LP) of :func:`cegppo.algorithm.diagnostics.quadrant_metrics`, using the entropies TRL computes (no ``dH``: that needs the collision term, which TRL does not compute).
+PA_LP, NA_HP, NA_LP) of :func:`cegppo.algorithm.diagnostics.quadrant_metrics`, using the entropies TRL computes
+(no ``dH``: that needs the collision term, which TRL does not compute).
 
 Entropy autopilot: ``CEGPPOConfig(entropy_control={"enabled": True, "target": 0.7, ...})`` (the fields of
 :class:`cegppo.algorithm.entropy_control.EntropyControlConfig`) runs the same controller as cegppo's trainer, once
