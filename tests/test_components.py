@@ -260,24 +260,24 @@ def test_token_stats_compute_only_the_columns_their_rows_use(tiny_config):
     from cegppo.algorithm.logprobs import sequence_token_stats
     from cegppo.engine.trainer import Trainer
 
-    tr = Trainer(tiny_config("train.steps=1", "rollout.max_new_tokens=24", "train.micro_batch_size=3"))
-    exp, _ = tr.collect(step=1)
-    rb = exp.rollouts
-    prompt_len, response_len = rb.lengths
-    assert len(set(response_len)) > 1  # responses of different lengths: there is padding to cut
-    full = sequence_token_stats(tr.model, rb.input_ids, rb.attention_mask, rb.response_len, tr.cfg.rollout.temperature)
-    batches = tr.micro_batches(rb, torch.arange(len(response_len)))
-    assert sorted(torch.cat(batches).tolist()) == list(range(len(response_len)))
-    totals = [prompt_len[i] + response_len[i] for i in torch.cat(batches).tolist()]
-    assert totals == sorted(totals, reverse=True)  # longest first
-    for rows in batches:
-        lp, ent, _ = tr.token_stats(tr.model, rb, rows)
-        m = rb.response_mask[rows].bool()
-        torch.testing.assert_close(lp[m], full[0][rows][m], rtol=1e-5, atol=1e-5)
-        torch.testing.assert_close(ent[m], full[1][rows][m], rtol=1e-5, atol=1e-5)
-        keep = max(response_len[i] for i in rows.tolist())
-        assert not lp[:, keep:].any() and not ent[:, keep:].any()
-    tr.close()
+    with Trainer(tiny_config("train.steps=1", "rollout.max_new_tokens=24", "train.micro_batch_size=3")) as tr:
+        exp, _ = tr.collect(step=1)
+        rb = exp.rollouts
+        prompt_len, response_len = rb.lengths
+        assert len(set(response_len)) > 1  # responses of different lengths: there is padding to cut
+        full = sequence_token_stats(tr.model, rb.input_ids, rb.attention_mask, rb.response_len,
+                                    tr.cfg.rollout.temperature)
+        batches = tr.micro_batches(rb, torch.arange(len(response_len)))
+        assert sorted(torch.cat(batches).tolist()) == list(range(len(response_len)))
+        totals = [prompt_len[i] + response_len[i] for i in torch.cat(batches).tolist()]
+        assert totals == sorted(totals, reverse=True)  # longest first
+        for rows in batches:
+            lp, ent, _ = tr.token_stats(tr.model, rb, rows)
+            m = rb.response_mask[rows].bool()
+            torch.testing.assert_close(lp[m], full[0][rows][m], rtol=1e-5, atol=1e-5)
+            torch.testing.assert_close(ent[m], full[1][rows][m], rtol=1e-5, atol=1e-5)
+            keep = max(response_len[i] for i in rows.tolist())
+            assert not lp[:, keep:].any() and not ent[:, keep:].any()
 
 
 def test_micro_batch_tokens_bound_each_forward_pass(tiny_config):
@@ -285,13 +285,13 @@ def test_micro_batch_tokens_bound_each_forward_pass(tiny_config):
     (a single row may exceed it), every row once, longest first; the row limit still applies."""
     from cegppo.engine.trainer import Trainer
 
-    tr = Trainer(tiny_config("train.steps=1", "rollout.max_new_tokens=24", "train.micro_batch_size=5"))
-    exp, _ = tr.collect(step=1)
-    rb = exp.rollouts
-    prompt_len, response_len = rb.lengths
-    budget = int(2.5 * max(p + max(1, r) for p, r in zip(prompt_len, response_len)))  # two long rows fit, not three
-    tr.cfg.train.micro_batch_tokens = budget
-    batches = tr.micro_batches(rb, torch.arange(len(response_len)))
+    with Trainer(tiny_config("train.steps=1", "rollout.max_new_tokens=24", "train.micro_batch_size=5")) as tr:
+        exp, _ = tr.collect(step=1)
+        rb = exp.rollouts
+        prompt_len, response_len = rb.lengths
+        budget = int(2.5 * max(p + max(1, r) for p, r in zip(prompt_len, response_len)))  # two long rows fit, not three
+        tr.cfg.train.micro_batch_tokens = budget
+        batches = tr.micro_batches(rb, torch.arange(len(response_len)))
     assert sorted(torch.cat(batches).tolist()) == list(range(len(response_len)))
     sizes = []
     for rows in batches:
@@ -300,4 +300,3 @@ def test_micro_batch_tokens_bound_each_forward_pass(tiny_config):
         assert len(idx) <= 5 and (len(idx) == 1 or len(idx) * width <= budget)
         sizes.append(len(idx))
     assert 1 < max(sizes) < 5  # the budget, not the row limit, shaped them
-    tr.close()

@@ -195,19 +195,20 @@ def test_trainer_logs_control_each_step_and_resumes_exactly(tiny_config, tmp_pat
     from cegppo.engine.trainer import Trainer
     from cegppo.io import read_jsonl
 
-    full = Trainer(tiny_config("train.steps=4", "train.save_every=2", *CONTROL, out=tmp_path / "full"))
-    full_rows = train_loop(full)
-    for r in full_rows:
-        for key in ("control/beta1", "control/beta2", "control/target", "control/error"):
-            assert key in r, key
-    assert full_rows[0]["control/target"] == pytest.approx(0.9 * full_rows[0]["entropy"])
-    assert len({r["control/beta1"] for r in full_rows}) > 1  # the controller moved beta1 ...
-    assert full.objective.hparams["beta1"] == full_rows[-1]["control/beta1"]  # ... and the objective follows it
-    part = Trainer(tiny_config("train.steps=2", "train.save_every=2", *CONTROL, out=tmp_path / "part"))
-    train_loop(part)
-    resumed = Trainer(tiny_config("train.steps=4", "train.save_every=2", *CONTROL, out=tmp_path / "part"), resume=True)
-    assert resumed.controller.updates == 2 and resumed.controller.beta1 == full_rows[1]["control/beta1"]
-    train_loop(resumed)
+    with Trainer(tiny_config("train.steps=4", "train.save_every=2", *CONTROL, out=tmp_path / "full")) as full:
+        full_rows = train_loop(full)
+        for r in full_rows:
+            for key in ("control/beta1", "control/beta2", "control/target", "control/error"):
+                assert key in r, key
+        assert full_rows[0]["control/target"] == pytest.approx(0.9 * full_rows[0]["entropy"])
+        assert len({r["control/beta1"] for r in full_rows}) > 1  # the controller moved beta1 ...
+        assert full.objective.hparams["beta1"] == full_rows[-1]["control/beta1"]  # ... and the objective follows it
+    with Trainer(tiny_config("train.steps=2", "train.save_every=2", *CONTROL, out=tmp_path / "part")) as part:
+        train_loop(part)
+    with Trainer(tiny_config("train.steps=4", "train.save_every=2", *CONTROL, out=tmp_path / "part"),
+                 resume=True) as resumed:
+        assert resumed.controller.updates == 2 and resumed.controller.beta1 == full_rows[1]["control/beta1"]
+        train_loop(resumed)
     rows = read_jsonl(tmp_path / "part" / "metrics.jsonl")
     assert [r["step"] for r in rows] == [1, 2, 3, 4]
     for a, b in zip(rows, full_rows):
@@ -232,7 +233,7 @@ def test_trainer_applies_the_bonus_lever_in_its_loss(tiny_config, tmp_path, monk
     lever = ["algorithm.entropy_control.enabled=true", "algorithm.entropy_control.target_mode=absolute",
              "algorithm.entropy_control.target=50", "algorithm.entropy_control.bonus_gain=0.1",
              "algorithm.entropy_control.bonus_max=0.02", "algorithm.entropy_coeff=0.001"]
-    tr = trainer_module.Trainer(tiny_config("train.steps=1", *lever, out=tmp_path / "bonus"))
-    rows = train_loop(tr)
-    assert rows[0]["control/entropy_coeff"] == 0.02 and tr.controller.entropy_coeff == 0.02
+    with trainer_module.Trainer(tiny_config("train.steps=1", *lever, out=tmp_path / "bonus")) as tr:
+        rows = train_loop(tr)
+        assert rows[0]["control/entropy_coeff"] == 0.02 and tr.controller.entropy_coeff == 0.02
     assert seen and all(c == pytest.approx(0.021) for c in seen)

@@ -83,7 +83,8 @@ def test_compare_writes_plots_and_table(tiny_config, tmp_path):
         hp = [] if obj == "grpo" else ["algorithm.hparams.beta1=0.5"]
         cfg = tiny_config(f"algorithm.objective={obj}", "train.steps=2", "train.save_every=0", "eval.every=1",
                           *(["algorithm.hparams={}"] if obj == "grpo" else hp), out=tmp_path / name)
-        train_loop(Trainer(cfg))
+        with Trainer(cfg) as tr:
+            train_loop(tr)
         runs.append(tmp_path / name)
     paths = compare_runs(runs, tmp_path / "cmp")
     names = {p.name for p in paths}

@@ -222,7 +222,8 @@ def test_trainer_step_with_fused_lm_head_matches(tiny_config, tmp_path):
         cfg = tiny_config("train.steps=1", "train.save_every=0", "model.precision=fp32", "eval.num_problems=1",
                           "eval.max_new_tokens=2", "rollout.max_new_tokens=12",
                           f"model.fused_lm_head={str(fused).lower()}", out=tmp_path / str(fused))
-        rows[fused] = train_loop(Trainer(cfg))[0]
+        with Trainer(cfg) as tr:
+            rows[fused] = train_loop(tr)[0]
     for k in ("reward/mean", "entropy", "pg_loss", "grad_norm", "ppo_kl"):
         assert rows[True][k] == pytest.approx(rows[False][k], rel=1e-4, abs=1e-6), k
 

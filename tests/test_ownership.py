@@ -103,11 +103,9 @@ def test_stale_lock_of_dead_process_is_reclaimed(tiny_config, tmp_path, caplog):
     run.mkdir()
     pid = dead_pid()
     (run / OWNER_FILE).write_text(json.dumps({"pid": pid, "host": socket.gethostname(), "since": "2025-01-01"}))
-    with caplog.at_level(logging.WARNING, logger="cegppo.engine.runlock"):
-        tr = Trainer(tiny_config(*SMALL, out=run))
-    assert f"reclaimed the lock of dead process {pid}" in caplog.text
-    assert read_owner(run)["pid"] == os.getpid() and not lock_is_free(run)
-    tr.close()
+    with caplog.at_level(logging.WARNING, logger="cegppo.engine.runlock"), Trainer(tiny_config(*SMALL, out=run)):
+        assert f"reclaimed the lock of dead process {pid}" in caplog.text
+        assert read_owner(run)["pid"] == os.getpid() and not lock_is_free(run)
     assert lock_is_free(run) and not (run / OWNER_FILE).exists()
 
 
@@ -120,10 +118,10 @@ def test_lock_is_released_on_errors(tiny_config, tmp_path, monkeypatch, capsys):
     assert lock_is_free(run) and not (run / OWNER_FILE).exists()
     assert not (run / "config.yaml").exists()  # a failed start leaves no run behind: a plain retry is not refused
 
-    def boom(self, on_step=None):
+    def boom(trainer, on_step=None):
         raise RuntimeError("boom")
 
-    monkeypatch.setattr(Trainer, "train", boom)
+    monkeypatch.setattr(recipes, "train_loop", boom)  # the run loop (it replaced Trainer.train)
     with pytest.raises(RuntimeError, match="boom"):
         recipes.run_training(tiny_config(*SMALL, "train.save_every=0", out=run))
     assert lock_is_free(run) and not (run / OWNER_FILE).exists()
@@ -152,52 +150,49 @@ def test_fresh_run_into_a_non_empty_run_directory_is_refused(tmp_path, capsys):
 
 def test_overwrite_removes_the_previous_runs_files_and_says_so(tiny_config, tmp_path, caplog):
     run = tmp_path / "run"
-    old = Trainer(tiny_config(*SMALL, out=run))
-    old.save()
-    old_id = old.state["run_id"]
-    old.close()
+    with Trainer(tiny_config(*SMALL, out=run)) as old:
+        old.save()
+        old_id = old.state["run_id"]
     (run / "metrics.jsonl").write_text('{"step": 1}\n')
     (run / "notes.txt").write_text("mine")  # not a run file: kept
-    with caplog.at_level(logging.WARNING, logger="cegppo.engine.rundir"):
-        tr = Trainer(tiny_config(*SMALL, out=run), overwrite=True)
-    assert (f"--overwrite: removing the previous run's files from {run}: run.json, config.yaml, metrics.jsonl, "
-            f"checkpoints/") in caplog.text
-    assert not (run / "checkpoints").exists() and not (run / "metrics.jsonl").exists()
-    assert (run / "notes.txt").read_text() == "mine"
-    assert tr.state["run_id"] != old_id and json.loads((run / "run.json").read_text())["run_id"] == tr.state["run_id"]
-    tr.close()
+    with caplog.at_level(logging.WARNING, logger="cegppo.engine.rundir"), \
+            Trainer(tiny_config(*SMALL, out=run), overwrite=True) as tr:
+        assert (f"--overwrite: removing the previous run's files from {run}: run.json, config.yaml, metrics.jsonl, "
+                f"checkpoints/") in caplog.text
+        assert not (run / "checkpoints").exists() and not (run / "metrics.jsonl").exists()
+        assert (run / "notes.txt").read_text() == "mine"
+        assert (tr.state["run_id"] != old_id
+                and json.loads((run / "run.json").read_text())["run_id"] == tr.state["run_id"])
 
 
 def test_pruning_never_deletes_another_runs_checkpoints(tiny_config, tmp_path):
-    tr = Trainer(tiny_config(*SMALL, "train.keep_checkpoints=1", out=tmp_path / "run"))
-    mine = tr.state["run_id"]
-    tr.state["run_id"] = "another-run"
-    foreign = tr.save()  # step 0, written by "another run"
-    tr.state["run_id"] = mine
-    for step in (1, 2):
-        tr.state["step"] = step
+    with Trainer(tiny_config(*SMALL, "train.keep_checkpoints=1", out=tmp_path / "run")) as tr:
+        mine = tr.state["run_id"]
+        tr.state["run_id"] = "another-run"
+        foreign = tr.save()  # step 0, written by "another run"
+        tr.state["run_id"] = mine
+        for step in (1, 2):
+            tr.state["step"] = step
+            tr.save()
+        root = tr.run.checkpoints
+        assert [p.name for p in ckpt.list_checkpoints(root)] == ["step_000000", "step_000002"]
+        assert (ckpt.checkpoint_run_id(foreign) == "another-run"
+                and ckpt.checkpoint_run_id(root / "step_000002") == mine)
+        (root / "step_000009").mkdir()  # no readable manifest: owner unknown, never pruned
+        tr.state["step"] = 3
         tr.save()
-    root = tr.run.checkpoints
-    assert [p.name for p in ckpt.list_checkpoints(root)] == ["step_000000", "step_000002"]
-    assert ckpt.checkpoint_run_id(foreign) == "another-run" and ckpt.checkpoint_run_id(root / "step_000002") == mine
-    (root / "step_000009").mkdir()  # no readable manifest: owner unknown, never pruned
-    tr.state["step"] = 3
-    tr.save()
-    assert [p.name for p in ckpt.list_checkpoints(root)] == ["step_000000", "step_000003", "step_000009"]
-    tr.close()
+        assert [p.name for p in ckpt.list_checkpoints(root)] == ["step_000000", "step_000003", "step_000009"]
 
 
 def test_resumed_run_keeps_the_run_id_of_its_checkpoint(tiny_config, tmp_path):
-    tr = Trainer(tiny_config(*SMALL, out=tmp_path / "run"))
-    run_id = tr.state["run_id"]
-    assert json.loads((tr.run.path / "run.json").read_text())["run_id"] == run_id
-    assert json.loads((tr.save() / ckpt.MANIFEST).read_text())["run_id"] == run_id
-    tr.close()
-    resumed = Trainer(tiny_config(*SMALL, out=tmp_path / "run"), resume=True)
-    assert resumed.state["run_id"] == run_id
-    resumed.state["step"] = 1
-    assert ckpt.checkpoint_run_id(resumed.save()) == run_id
-    resumed.close()
+    with Trainer(tiny_config(*SMALL, out=tmp_path / "run")) as tr:
+        run_id = tr.state["run_id"]
+        assert json.loads((tr.run.path / "run.json").read_text())["run_id"] == run_id
+        assert json.loads((tr.save() / ckpt.MANIFEST).read_text())["run_id"] == run_id
+    with Trainer(tiny_config(*SMALL, out=tmp_path / "run"), resume=True) as resumed:
+        assert resumed.state["run_id"] == run_id
+        resumed.state["step"] = 1
+        assert ckpt.checkpoint_run_id(resumed.save()) == run_id
 
 
 # ---------------------------------------------------------------------------------------------- 3. resume contract
@@ -218,9 +213,8 @@ def test_config_keys_are_classified_and_documented():
 
 def test_resume_refuses_changes_to_fixed_keys(tiny_config, tmp_path, capsys):
     run = tmp_path / "run"
-    tr = Trainer(tiny_config(*SMALL, out=run))
-    tr.save()
-    tr.close()
+    with Trainer(tiny_config(*SMALL, out=run)) as tr:
+        tr.save()
     with pytest.raises(TrainingError) as e:
         Trainer(tiny_config(*SMALL, "rollout.n=4", "algorithm.hparams.beta1=0.5", "optim.weight_decay=0.0",
                             "optim.lr=2e-3", out=run), resume=True)
@@ -237,19 +231,18 @@ def test_resume_refuses_changes_to_fixed_keys(tiny_config, tmp_path, capsys):
 def test_resume_applies_and_records_mutable_changes(tiny_config, tmp_path):
     run = tmp_path / "run"
     base = (*SMALL, "train.save_every=1", "optim.warmup_steps=4", "optim.lr=1e-3")
-    first = Trainer(tiny_config(*base, "train.steps=1", out=run))
-    assert train_loop(first)[0]["lr"] == 0.0  # step 1 runs at multiplier 0/4
-    first.close()
+    with Trainer(tiny_config(*base, "train.steps=1", out=run)) as first:
+        assert train_loop(first)[0]["lr"] == 0.0  # step 1 runs at multiplier 0/4
     original = (run / "config.yaml").read_text()
-    tr = Trainer(tiny_config(*base, "train.steps=2", "optim.lr=2e-3", "optim.grad_clip=0.5", out=run), resume=True)
-    # the new lr reached the loaded optimizer and scheduler: base 2e-3 at the warm-up multiplier of step 1
-    group = tr.optimizer.param_groups[0]
-    assert group["initial_lr"] == 2e-3 and tr.scheduler.base_lrs == [2e-3]
-    assert group["lr"] == pytest.approx(2e-3 * 1 / 4)
-    (row,) = train_loop(tr)
-    assert row["step"] == 2 and row["lr"] == pytest.approx(2e-3 / 4)
-    assert tr.optimizer.param_groups[0]["lr"] == pytest.approx(2e-3 * 2 / 4)
-    tr.close()
+    with Trainer(tiny_config(*base, "train.steps=2", "optim.lr=2e-3", "optim.grad_clip=0.5", out=run),
+                 resume=True) as tr:
+        # the new lr reached the loaded optimizer and scheduler: base 2e-3 at the warm-up multiplier of step 1
+        group = tr.optimizer.param_groups[0]
+        assert group["initial_lr"] == 2e-3 and tr.scheduler.base_lrs == [2e-3]
+        assert group["lr"] == pytest.approx(2e-3 * 1 / 4)
+        (row,) = train_loop(tr)
+        assert row["step"] == 2 and row["lr"] == pytest.approx(2e-3 / 4)
+        assert tr.optimizer.param_groups[0]["lr"] == pytest.approx(2e-3 * 2 / 4)
     changes = [{k: r[k] for k in ("step", "key", "old", "new")} for r in read_jsonl(run / "config_changes.jsonl")]
     assert changes == [{"step": 1, "key": "optim.grad_clip", "old": 1.0, "new": 0.5},
                        {"step": 1, "key": "optim.lr", "old": 1e-3, "new": 2e-3},
@@ -258,12 +251,12 @@ def test_resume_applies_and_records_mutable_changes(tiny_config, tmp_path):
     saved = ckpt.read_trainer_state(run / "checkpoints" / "step_000002")
     assert saved["config"]["optim"]["lr"] == 2e-3  # the config in force, compared on the next --resume
     # resuming again from step 2 with the same config records nothing new; a rolled-back session's rows go
-    again = Trainer(tiny_config(*base, "train.steps=2", "optim.lr=2e-3", "optim.grad_clip=0.5", out=run), resume=True)
-    again.close()
+    with Trainer(tiny_config(*base, "train.steps=2", "optim.lr=2e-3", "optim.grad_clip=0.5", out=run), resume=True):
+        pass  # constructing the resumed trainer is what records (or rolls back) config changes
     assert len(read_jsonl(run / "config_changes.jsonl")) == 3
     shutil.rmtree(run / "checkpoints" / "step_000002")
-    back = Trainer(tiny_config(*base, "train.steps=3", out=run), resume=True)  # from step 1, the original lr
-    back.close()
+    with Trainer(tiny_config(*base, "train.steps=3", out=run), resume=True):  # from step 1, the original lr
+        pass
     assert [(r["step"], r["key"]) for r in read_jsonl(run / "config_changes.jsonl")] == [(1, "train.steps")]
 
 
@@ -357,9 +350,8 @@ def test_compare_out_existing_file_is_one_line(tmp_path, capsys):
 
 
 def test_eval_refuses_a_checkpoint_that_no_longer_matches_its_manifest(tiny_config, tmp_path, capsys, caplog):
-    tr = Trainer(tiny_config(*SMALL, out=tmp_path / "run"))
-    path = tr.save()
-    tr.close()
+    with Trainer(tiny_config(*SMALL, out=tmp_path / "run")) as tr:
+        path = tr.save()
     with caplog.at_level(logging.INFO, logger="cegppo"):
         recipes.verify_model_dir(str(path))  # intact: accepted
     assert "checkpoint verified against its manifest" in caplog.text

@@ -38,8 +38,8 @@ def test_heartbeat_is_rate_limited_and_disabled_progress_is_silent(caplog):
 def test_training_run_reports_every_phase(tiny_config, caplog):
     from cegppo.engine.trainer import Trainer
 
-    tr = Trainer(tiny_config("train.steps=1", "train.save_every=1", "logging.progress=true", "train.mini_batches=2"))
-    with caplog.at_level(logging.INFO, logger="cegppo"):
+    with Trainer(tiny_config("train.steps=1", "train.save_every=1", "logging.progress=true",
+                             "train.mini_batches=2")) as tr, caplog.at_level(logging.INFO, logger="cegppo"):
         train_loop(tr)
     text = caplog.text
     for phase in ("generate 4 x 4", "old log-probs", "update 1/2", "update 2/2", "checkpoint", "train 1/1 ("):

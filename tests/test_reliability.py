@@ -1,5 +1,6 @@
 """Bad input, failures mid-run and security properties (catalogue: docs/reliability.md)."""
 
+import contextlib
 import errno
 import importlib
 import json
@@ -94,51 +95,51 @@ def test_cli_bad_input_is_one_line(case, expected, tmp_path, capsys):
 
 
 def test_disk_full_during_checkpoint(tiny_config, monkeypatch):
-    tr = Trainer(tiny_config(*SMALL[:-1], "train.steps=1", "train.save_every=1"))
-    first = tr.save()  # step 0: a valid checkpoint to fall back on
+    with Trainer(tiny_config(*SMALL[:-1], "train.steps=1", "train.save_every=1")) as tr:
+        first = tr.save()  # step 0: a valid checkpoint to fall back on
 
-    def full(*a, **k):
-        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        def full(*a, **k):
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
 
-    # the fsync of the finished temp dir (manifest included), where a full disk surfaces last before the rename
-    monkeypatch.setattr(ckpt, "_fsync_tree", full)
-    with pytest.raises(CheckpointError, match=r"could not write checkpoint .*step_000001: No space left on device"):
-        train_loop(tr)
-    root = tr.run.checkpoints
+        # the fsync of the finished temp dir (manifest included), where a full disk surfaces last before the rename
+        monkeypatch.setattr(ckpt, "_fsync_tree", full)
+        with pytest.raises(CheckpointError, match=r"could not write checkpoint .*step_000001: No space left on device"):
+            train_loop(tr)
+        root = tr.run.checkpoints
     assert ckpt.latest_valid_checkpoint(root) == first and ckpt.list_checkpoints(root) == [first]
     assert not ckpt.stale_temp_dirs(root) and not list(root.glob(".tmp*"))
 
 
 def test_corrupt_metrics_file_is_reported_on_resume(tiny_config, tmp_path):
-    tr = Trainer(tiny_config(*SMALL[:-1], "train.save_every=1"))
-    tr.save()
-    (tr.run.path / "metrics.jsonl").write_text('{"step": 1}\n{broken\n{"step": 2}\n')
-    with pytest.raises(TrainingError, match=r"metrics\.jsonl:2: not valid JSON; repair or remove"):
-        Trainer(tiny_config(*SMALL[:-1], "train.save_every=1"), resume=True)
+    with Trainer(tiny_config(*SMALL[:-1], "train.save_every=1")) as tr:  # kept open: refused with the lock shared
+        tr.save()
+        (tr.run.path / "metrics.jsonl").write_text('{"step": 1}\n{broken\n{"step": 2}\n')
+        with pytest.raises(TrainingError, match=r"metrics\.jsonl:2: not valid JSON; repair or remove"):
+            Trainer(tiny_config(*SMALL[:-1], "train.save_every=1"), resume=True)
 
 
 def test_torn_last_metrics_line_is_dropped_on_resume(tiny_config):
-    tr = Trainer(tiny_config(*SMALL[:-1], "train.save_every=1"))
-    tr.state["step"] = 2
-    assert tr.save().name == "step_000002"  # resume point: rows up to step 2 are kept, later ones dropped
-    rows = [{"step": 1, "x": 1}, {"step": 2, "x": 2}, {"step": 3, "x": 3}]
-    metrics = tr.run.path / "metrics.jsonl"
-    metrics.write_text("".join(json.dumps(r) + "\n" for r in rows) + '{"step": 2, "x"')  # kill mid-append
-    assert read_jsonl(metrics) == rows  # ignored on read
-    (tr.run.path / "eval.jsonl").write_text('{"step": 0, "tag": "base"}\n{"step": 2, "tag": "periodic"}\n'
-                                           '{"step": 2, "tag": "final"}\n{"step": 3, "tag": "periodic"}\n')
-    resumed = Trainer(tiny_config(*SMALL[:-1], "train.save_every=1"), resume=True)
-    assert resumed.state["step"] == 2
-    text = metrics.read_text()  # dropped on resume: whole rows only, each newline-terminated
-    assert text.endswith("\n") and [json.loads(line) for line in text.splitlines()] == rows[:2], text
-    assert read_jsonl(metrics) == rows[:2]
-    assert read_jsonl(tr.run.path / "eval.jsonl") == [{"step": 0, "tag": "base"}, {"step": 2, "tag": "periodic"}]
+    with contextlib.ExitStack() as stack:  # both trainers open together (the lock shared), both closed at the end
+        tr = stack.enter_context(Trainer(tiny_config(*SMALL[:-1], "train.save_every=1")))
+        tr.state["step"] = 2
+        assert tr.save().name == "step_000002"  # resume point: rows up to step 2 are kept, later ones dropped
+        rows = [{"step": 1, "x": 1}, {"step": 2, "x": 2}, {"step": 3, "x": 3}]
+        metrics = tr.run.path / "metrics.jsonl"
+        metrics.write_text("".join(json.dumps(r) + "\n" for r in rows) + '{"step": 2, "x"')  # kill mid-append
+        assert read_jsonl(metrics) == rows  # ignored on read
+        (tr.run.path / "eval.jsonl").write_text('{"step": 0, "tag": "base"}\n{"step": 2, "tag": "periodic"}\n'
+                                               '{"step": 2, "tag": "final"}\n{"step": 3, "tag": "periodic"}\n')
+        resumed = stack.enter_context(Trainer(tiny_config(*SMALL[:-1], "train.save_every=1"), resume=True))
+        assert resumed.state["step"] == 2
+        text = metrics.read_text()  # dropped on resume: whole rows only, each newline-terminated
+        assert text.endswith("\n") and [json.loads(line) for line in text.splitlines()] == rows[:2], text
+        assert read_jsonl(metrics) == rows[:2]
+        assert read_jsonl(tr.run.path / "eval.jsonl") == [{"step": 0, "tag": "base"}, {"step": 2, "tag": "periodic"}]
 
 
 def test_resume_without_checkpoint_starts_fresh(tiny_config, caplog):
-    with caplog.at_level(logging.WARNING):
-        tr = Trainer(tiny_config(*SMALL), resume=True)
-    assert tr.state["step"] == 0 and "no valid checkpoint" in caplog.text
+    with caplog.at_level(logging.WARNING), Trainer(tiny_config(*SMALL), resume=True) as tr:
+        assert tr.state["step"] == 0 and "no valid checkpoint" in caplog.text
 
 
 # ---------------------------------------------------------------------------------------------- failures mid-run
@@ -146,53 +147,54 @@ def test_resume_without_checkpoint_starts_fresh(tiny_config, caplog):
 
 @pytest.mark.parametrize("fn", ["raises", "nan_reward", "hangs"])
 def test_reward_failures_are_counted_and_the_run_continues(fn, tiny_config, caplog):
-    tr = Trainer(tiny_config(*SMALL, "train.steps=1", f"reward.fn=fixtures.rewards:{fn}", "reward.timeout_s=0.05"))
-    with caplog.at_level(logging.WARNING, logger="cegppo.engine.trainer"):
-        (row,) = train_loop(tr)
-    assert row["reward/failures"] == 4 and row["reward/accuracy"] == 0 and row["reward/mean"] == -1
-    assert "reward failure at step 1" in caplog.text
-    assert read_jsonl(tr.run.metrics)[0]["reward/failures"] == 4
+    with Trainer(tiny_config(*SMALL, "train.steps=1", f"reward.fn=fixtures.rewards:{fn}",
+                             "reward.timeout_s=0.05")) as tr:
+        with caplog.at_level(logging.WARNING, logger="cegppo.engine.trainer"):
+            (row,) = train_loop(tr)
+        assert row["reward/failures"] == 4 and row["reward/accuracy"] == 0 and row["reward/mean"] == -1
+        assert "reward failure at step 1" in caplog.text
+        assert read_jsonl(tr.run.metrics)[0]["reward/failures"] == 4
 
 
 def test_nan_loss_skips_the_update_and_recovers(tiny_config, caplog, monkeypatch):
     import cegppo.engine.trainer as trainer_module
 
-    tr = Trainer(tiny_config(*SMALL, "train.steps=2", "train.max_bad_steps=2"))
-    real_loss = trainer_module.policy_loss
+    with Trainer(tiny_config(*SMALL, "train.steps=2", "train.max_bad_steps=2")) as tr:
+        real_loss = trainer_module.policy_loss
 
-    def nan_on_step_1(*a, **k):
-        loss, m = real_loss(*a, **k)
-        return (loss * torch.nan if tr.state["step"] == 0 else loss), m
+        def nan_on_step_1(*a, **k):
+            loss, m = real_loss(*a, **k)
+            return (loss * torch.nan if tr.state["step"] == 0 else loss), m
 
-    monkeypatch.setattr(trainer_module, "policy_loss", nan_on_step_1)
-    before, after_step = params(tr.model), {}
-    with caplog.at_level(logging.WARNING, logger="cegppo.engine.trainer"):
-        rows = train_loop(tr, on_step=lambda t, row: after_step.setdefault(row["step"], params(t.model)))
-    assert "step 1: non-finite loss; update skipped" in caplog.text
-    assert [r["train/skipped_updates"] for r in rows] == [1, 0] and tr.state["bad_steps"] == 0
+        monkeypatch.setattr(trainer_module, "policy_loss", nan_on_step_1)
+        before, after_step = params(tr.model), {}
+        with caplog.at_level(logging.WARNING, logger="cegppo.engine.trainer"):
+            rows = train_loop(tr, on_step=lambda t, row: after_step.setdefault(row["step"], params(t.model)))
+        assert "step 1: non-finite loss; update skipped" in caplog.text
+        assert [r["train/skipped_updates"] for r in rows] == [1, 0] and tr.state["bad_steps"] == 0
     assert torch.equal(after_step[1], before) and not torch.equal(after_step[2], before)
 
 
 def test_nan_logits_stop_training_after_max_bad_steps(tiny_config):
-    tr = Trainer(tiny_config(*SMALL, "train.steps=5", "train.max_bad_steps=2"))
-    # NaN hidden states in the loss passes only (generation and the old-log-prob pass run without grad)
-    tr.model.get_decoder().norm.register_forward_hook(
-        lambda mod, inp, out: out * torch.nan if torch.is_grad_enabled() else out)
-    before = params(tr.model)
-    with pytest.raises(TrainingError, match=r"2 consecutive steps had a non-finite loss or gradient "
-                                            r"\(train\.max_bad_steps=2\); stopping"):
-        train_loop(tr)
-    rows = read_jsonl(tr.run.metrics)
-    assert [r["train/skipped_updates"] for r in rows] == [1, 1]
-    assert torch.equal(params(tr.model), before)
+    with Trainer(tiny_config(*SMALL, "train.steps=5", "train.max_bad_steps=2")) as tr:
+        # NaN hidden states in the loss passes only (generation and the old-log-prob pass run without grad)
+        tr.model.get_decoder().norm.register_forward_hook(
+            lambda mod, inp, out: out * torch.nan if torch.is_grad_enabled() else out)
+        before = params(tr.model)
+        with pytest.raises(TrainingError, match=r"2 consecutive steps had a non-finite loss or gradient "
+                                                r"\(train\.max_bad_steps=2\); stopping"):
+            train_loop(tr)
+        rows = read_jsonl(tr.run.metrics)
+        assert [r["train/skipped_updates"] for r in rows] == [1, 1]
+        assert torch.equal(params(tr.model), before)
 
 
 # ---------------------------------------------------------------------------------------------- security
 
 
 def test_checkpoints_are_safetensors(tiny_config):
-    tr = Trainer(tiny_config(*SMALL[:-1], "train.save_every=1"))
-    path = tr.save()
+    with Trainer(tiny_config(*SMALL[:-1], "train.save_every=1")) as tr:
+        path = tr.save()
     names = {p.name for p in path.iterdir()}
     assert "model.safetensors" in names and "pytorch_model.bin" not in names
     assert not [n for n in names if n.endswith((".bin", ".pkl", ".pickle"))]
@@ -208,17 +210,17 @@ class _Exploit:
 
 
 def test_malicious_optimizer_state_is_refused(tiny_config, tmp_path):
-    tr = Trainer(tiny_config(*SMALL[:-1], "train.save_every=1"))
-    path = tr.save()
-    marker = tmp_path / "pwned"
-    opt = path / "optimizer.pt"
-    torch.save({"state": {0: _Exploit(marker)}, "param_groups": []}, opt)
-    manifest = json.loads((path / ckpt.MANIFEST).read_text())  # a consistent manifest: only unpickling can catch it
-    manifest["files"]["optimizer.pt"] = {"bytes": opt.stat().st_size, "sha256": ckpt._sha256(opt)}
-    (path / ckpt.MANIFEST).write_text(json.dumps(manifest))
-    assert ckpt.verify_checkpoint(path) is None
-    with pytest.raises(CheckpointError, match=r"optimizer\.pt: refused to load \(UnpicklingError"):
-        Trainer(tiny_config(*SMALL[:-1], "train.save_every=1"), resume=True)
+    with Trainer(tiny_config(*SMALL[:-1], "train.save_every=1")) as tr:  # kept open while the resume is refused
+        path = tr.save()
+        marker = tmp_path / "pwned"
+        opt = path / "optimizer.pt"
+        torch.save({"state": {0: _Exploit(marker)}, "param_groups": []}, opt)
+        manifest = json.loads((path / ckpt.MANIFEST).read_text())  # a consistent manifest: only unpickling catches it
+        manifest["files"]["optimizer.pt"] = {"bytes": opt.stat().st_size, "sha256": ckpt._sha256(opt)}
+        (path / ckpt.MANIFEST).write_text(json.dumps(manifest))
+        assert ckpt.verify_checkpoint(path) is None
+        with pytest.raises(CheckpointError, match=r"optimizer\.pt: refused to load \(UnpicklingError"):
+            Trainer(tiny_config(*SMALL[:-1], "train.save_every=1"), resume=True)
     assert not marker.exists()
 
 

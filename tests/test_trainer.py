@@ -32,13 +32,13 @@ def test_tiny_run_end_to_end_via_cli(tmp_path, capsys):
 
 
 def test_resume_continues_exactly(tiny_config, tmp_path):
-    full = Trainer(tiny_config("train.steps=4", "train.save_every=2", out=tmp_path / "full"))
-    full_rows = train_loop(full)
-    part = Trainer(tiny_config("train.steps=2", "train.save_every=2", out=tmp_path / "part"))
-    train_loop(part)
-    resumed = Trainer(tiny_config("train.steps=4", "train.save_every=2", out=tmp_path / "part"), resume=True)
-    assert resumed.state["step"] == 2
-    train_loop(resumed)
+    with Trainer(tiny_config("train.steps=4", "train.save_every=2", out=tmp_path / "full")) as full:
+        full_rows = train_loop(full)
+    with Trainer(tiny_config("train.steps=2", "train.save_every=2", out=tmp_path / "part")) as part:
+        train_loop(part)
+    with Trainer(tiny_config("train.steps=4", "train.save_every=2", out=tmp_path / "part"), resume=True) as resumed:
+        assert resumed.state["step"] == 2
+        train_loop(resumed)
     rows = read_jsonl(tmp_path / "part" / "metrics.jsonl")
     assert [r["step"] for r in rows] == [1, 2, 3, 4]
     for a, b in zip(rows, full_rows):
@@ -47,12 +47,12 @@ def test_resume_continues_exactly(tiny_config, tmp_path):
 
 
 def test_clipping_occurs_when_minibatches_go_off_policy(tiny_config):
-    tr = Trainer(tiny_config("train.steps=2", "train.mini_batches=4", "optim.lr=3e-3", "train.save_every=0"))
-    rows = train_loop(tr)
+    with Trainer(tiny_config("train.steps=2", "train.mini_batches=4", "optim.lr=3e-3", "train.save_every=0")) as tr:
+        rows = train_loop(tr)
     assert max(r["clip/low_frac"] + r["clip/high_frac"] for r in rows) > 0
-    on_policy = Trainer(tiny_config("train.steps=1", "train.mini_batches=1", "train.save_every=0",
-                                    out=tr.run.path.parent / "onpolicy"))
-    r = train_loop(on_policy)[0]
+    with Trainer(tiny_config("train.steps=1", "train.mini_batches=1", "train.save_every=0",
+                             out=tr.run.path.parent / "onpolicy")) as on_policy:
+        r = train_loop(on_policy)[0]
     assert r["clip/low_frac"] == 0 and r["clip/high_frac"] == 0 and abs(r["ppo_kl"]) < 1e-6
 
 
@@ -60,25 +60,25 @@ def test_clipping_occurs_when_minibatches_go_off_policy(tiny_config):
 def test_micro_batch_invariance_of_the_update(tiny_config, tmp_path, smaller):
     params = []
     for name, micro in (("m16", "train.micro_batch_size=16"), ("small", smaller)):
-        tr = Trainer(tiny_config("train.steps=1", "train.mini_batches=2", micro,
-                                 "train.save_every=0", out=tmp_path / name))
-        train_loop(tr)
-        params.append(torch.cat([p.detach().flatten() for p in tr.model.parameters()]))
+        with Trainer(tiny_config("train.steps=1", "train.mini_batches=2", micro,
+                                 "train.save_every=0", out=tmp_path / name)) as tr:
+            train_loop(tr)
+            params.append(torch.cat([p.detach().flatten() for p in tr.model.parameters()]))
     # AdamW moves each weight by at most lr (1e-3) per step: 1e-5 is 1% of one update. Float sums grouped
     # differently (16 vs 3 rows) can move a near-zero gradient's normalised update by ~1e-6.
     torch.testing.assert_close(params[0], params[1], rtol=1e-5, atol=1e-5)
 
 
 def test_dynamic_sampling_keeps_only_mixed_groups(tiny_config):
-    tr = Trainer(tiny_config("algorithm.dynamic_sampling=true", "algorithm.max_num_gen_batches=3",
-                             "train.prompts_per_step=4", "train.save_every=0"))
-    exp, stats = tr.collect(step=1)
-    n = tr.cfg.rollout.n
-    assert exp is not None and stats["train/kept_groups"] == len(exp.rewards) // n <= 4
-    groups = exp.correct.view(-1, n).float()
-    assert ((groups.max(-1).values - groups.min(-1).values) > 0).all()
-    assert 1 <= stats["train/num_gen_batches"] <= 3
-    assert tr.state["cursor"] == 4 * stats["train/num_gen_batches"]
+    with Trainer(tiny_config("algorithm.dynamic_sampling=true", "algorithm.max_num_gen_batches=3",
+                             "train.prompts_per_step=4", "train.save_every=0")) as tr:
+        exp, stats = tr.collect(step=1)
+        n = tr.cfg.rollout.n
+        assert exp is not None and stats["train/kept_groups"] == len(exp.rewards) // n <= 4
+        groups = exp.correct.view(-1, n).float()
+        assert ((groups.max(-1).values - groups.min(-1).values) > 0).all()
+        assert 1 <= stats["train/num_gen_batches"] <= 3
+        assert tr.state["cursor"] == 4 * stats["train/num_gen_batches"]
 
 
 @pytest.mark.parametrize(
@@ -120,25 +120,26 @@ def test_bundled_configs_validate():
 
 def test_tensorboard_logging_when_installed(tiny_config):
     pytest.importorskip("tensorboard")
-    tr = Trainer(tiny_config("train.steps=1", "train.save_every=0", "logging.tensorboard=true"))
-    train_loop(tr)
-    assert list((tr.run.path / "tensorboard").glob("events.out.tfevents.*"))
+    with Trainer(tiny_config("train.steps=1", "train.save_every=0", "logging.tensorboard=true")) as tr:
+        train_loop(tr)
+        assert list((tr.run.path / "tensorboard").glob("events.out.tfevents.*"))
 
 
 def test_dynamic_sampling_concatenates_generation_rounds(tiny_config):
     """Several generation rounds with different prompt / response widths merge into one aligned batch."""
-    tr = Trainer(tiny_config("algorithm.dynamic_sampling=true", "algorithm.max_num_gen_batches=4",
-                             "train.prompts_per_step=8", "train.save_every=0", "rollout.n=2"))
-    exp, stats = tr.collect(step=1)
-    assert exp is not None and stats["train/num_gen_batches"] > 1
-    rb = exp.rollouts
-    assert rb.input_ids.shape == rb.attention_mask.shape
-    assert rb.response_mask.shape[1] == rb.response_len and rb.input_ids.shape[0] == len(rb.texts) == len(exp.rewards)
-    # every kept response decodes back to the text that was graded
-    resp = rb.input_ids[:, -rb.response_len:]
-    texts = tr.tokenizer.batch_decode(torch.where(rb.response_mask.bool(), resp, tr.tokenizer.pad_token_id),
-                                      skip_special_tokens=True)
-    assert texts == rb.texts
+    with Trainer(tiny_config("algorithm.dynamic_sampling=true", "algorithm.max_num_gen_batches=4",
+                             "train.prompts_per_step=8", "train.save_every=0", "rollout.n=2")) as tr:
+        exp, stats = tr.collect(step=1)
+        assert exp is not None and stats["train/num_gen_batches"] > 1
+        rb = exp.rollouts
+        assert rb.input_ids.shape == rb.attention_mask.shape
+        assert (rb.response_mask.shape[1] == rb.response_len
+                and rb.input_ids.shape[0] == len(rb.texts) == len(exp.rewards))
+        # every kept response decodes back to the text that was graded
+        resp = rb.input_ids[:, -rb.response_len:]
+        texts = tr.tokenizer.batch_decode(torch.where(rb.response_mask.bool(), resp, tr.tokenizer.pad_token_id),
+                                          skip_special_tokens=True)
+        assert texts == rb.texts
 
 
 # ---------------------------------------------------------------------------------------------- validation
@@ -295,23 +296,22 @@ def test_on_policy_mini_batch_needs_no_separate_old_log_prob_pass(tiny_config, t
 
     from cegppo.algorithm.diagnostics import MetricAccumulator
 
-    tr = Trainer(tiny_config("train.steps=1", "train.mini_batches=2", "train.micro_batch_size=5", "optim.lr=3e-3",
-                             "train.save_every=0"))
-    exp, _ = tr.collect(step=1)
-    first = torch.arange(len(exp.rewards)).tensor_split(2)[0]
-    start = copy.deepcopy(tr.model.state_dict())
-    results = []
-    for skip in (first[:0], first):
-        tr.model.load_state_dict(start)
-        tr.optimizer.state.clear()
-        tr.model.train()
-        e = copy.copy(exp)
-        entropy = tr.old_log_probs(e, skip=skip)
-        assert tr.update(e, first, MetricAccumulator(), 1, entropy if len(skip) else None)
-        params = torch.cat([p.detach().flatten() for p in tr.model.parameters()])
-        results.append((params, e.old_log_prob * e.mask, float(entropy[0] / entropy[1])))
+    with Trainer(tiny_config("train.steps=1", "train.mini_batches=2", "train.micro_batch_size=5", "optim.lr=3e-3",
+                             "train.save_every=0")) as tr:
+        exp, _ = tr.collect(step=1)
+        first = torch.arange(len(exp.rewards)).tensor_split(2)[0]
+        start = copy.deepcopy(tr.model.state_dict())
+        results = []
+        for skip in (first[:0], first):
+            tr.model.load_state_dict(start)
+            tr.optimizer.state.clear()
+            tr.model.train()
+            e = copy.copy(exp)
+            entropy = tr.old_log_probs(e, skip=skip)
+            assert tr.update(e, first, MetricAccumulator(), 1, entropy if len(skip) else None)
+            params = torch.cat([p.detach().flatten() for p in tr.model.parameters()])
+            results.append((params, e.old_log_prob * e.mask, float(entropy[0] / entropy[1])))
     (p_full, old_full, h_full), (p_lean, old_lean, h_lean) = results
     torch.testing.assert_close(old_lean, old_full, rtol=1e-5, atol=1e-6)
     assert h_lean == pytest.approx(h_full, rel=1e-5)
     torch.testing.assert_close(p_lean, p_full, rtol=1e-5, atol=1e-6)
-    tr.close()
