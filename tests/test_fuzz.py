@@ -271,3 +271,191 @@ def test_fuzz_dataset_bytes(data, name):
         path = Path(d) / name
         path.write_bytes(data)
         _load(path)
+
+
+# ------------------------------------------------------------------------------------------- every key's rule
+# Issue 23, class 3. The keys and their rules come from the schema: every dataclass field of cegppo.config.schema
+# (and algorithm.entropy_control) declares its rule in metadata["range"] (cegppo.config.schema.key), so a new key is
+# fuzzed the day it is added, and one without a rule fails test_every_key_declares_its_rule. For each key, values of
+# every type and around every bound are set on the bundled tiny config and validated: a value outside the rule must
+# be refused with a message naming the key; a value inside it must be accepted (unless a declared cross-field rule
+# refuses it, naming the key or one of its `cross` keys).
+
+import copy  # noqa: E402
+import math  # noqa: E402
+import types  # noqa: E402
+
+from cegppo.config import MAX_INT, validate  # noqa: E402
+
+
+def _rules(cls: type = Config, where: str = "") -> dict[str, tuple[object, dict]]:
+    hints, out = typing.get_type_hints(cls), {}
+    for f in dataclasses.fields(cls):
+        key = f"{where}.{f.name}" if where else f.name
+        if dataclasses.is_dataclass(hints[f.name]):
+            out.update(_rules(hints[f.name], key))
+        else:
+            out[key] = (hints[f.name], f.metadata.get("range"))
+    return out
+
+
+RULES = _rules()
+_TINY_CFG = None
+
+
+def _tiny() -> Config:
+    global _TINY_CFG
+    if _TINY_CFG is None:
+        _TINY_CFG = load_config(TINY)
+    return copy.deepcopy(_TINY_CFG)
+
+
+def test_every_key_declares_its_rule():
+    assert len(RULES) > 60
+    missing = [k for k, (_, rule) in RULES.items() if rule is None]
+    assert not missing, f"keys without a declared rule (cegppo.config.schema.key): {missing}"
+
+
+def _types(tp) -> set:
+    origin = typing.get_origin(tp)
+    return set(typing.get_args(tp)) if origin in (typing.Union, types.UnionType) else {tp}
+
+
+def _bounds(rule: dict) -> list:
+    return [rule[b] for b in ("ge", "gt", "le", "lt") if b in rule]
+
+
+def _numbers(tp, rule: dict) -> st.SearchStrategy:
+    near = [v for b in _bounds(rule) + list(rule.get("also", ())) for v in (b, b - 1, b + 1, b - 1e-9, b + 1e-9, -b)]
+    if int in _types(tp):
+        ints = [int(v) for v in near if float(v).is_integer()]
+        return st.sampled_from(ints or [0]) | st.integers(-10, 10) | st.sampled_from([MAX_INT, MAX_INT + 1, -2**70])
+    return (st.sampled_from(near or [0.0]) | st.floats(-1e3, 1e3) | st.floats(allow_nan=True, allow_infinity=True)
+            | st.integers(-5, 5))
+
+
+def _values(key: str) -> st.SearchStrategy:
+    tp, rule = RULES[key]
+    kinds = _types(tp)
+    wrong = st.sampled_from(["abc", [1, 2], {"a": 1}, 1.5, True, None, -3, ""])
+    choices = list(rule.get("choices", ()))
+    if choices:
+        return st.sampled_from(choices) | st.text(max_size=8) | wrong
+    if float in kinds or int in kinds:
+        return _numbers(tp, rule) | wrong
+    if list in kinds:
+        item = _numbers(float, rule)
+        return st.lists(item, min_size=0, max_size=3) | wrong
+    if str in kinds:
+        return st.sampled_from(["x", "  ", ""]) | st.text(max_size=6) | wrong
+    return wrong  # bool, dict
+
+
+def _allowed(key: str, value) -> bool | None:
+    """Whether the declared rule admits ``value``; None where only the code that checks it can say (free rules)."""
+    tp, rule = RULES[key]
+    kinds = _types(tp)
+    if value is None:
+        return type(None) in kinds
+    if rule.get("choices"):
+        return any(value == c and type(value) is type(c) for c in rule["choices"])
+    if isinstance(value, bool):
+        return bool in kinds
+    if dict in kinds:
+        return None if isinstance(value, dict) else False
+    if list in kinds:
+        return (isinstance(value, list) and len(value) == rule.get("items", len(value))
+                and all(_allowed_number(float, rule, v) for v in value))
+    if int in kinds or float in kinds:
+        return _allowed_number(tp, rule, value)
+    if str in kinds:
+        if not isinstance(value, str) or "\x00" in value:
+            return False
+        if rule.get("free"):
+            return None
+        return bool(value.strip()) if rule.get("nonempty") else True
+    if kinds == {bool}:
+        return False  # not a bool
+    raise AssertionError(f"{key}: no expectation for type {tp}")
+
+
+def _allowed_number(tp, rule: dict, v) -> bool:
+    if isinstance(v, bool) or not isinstance(v, (int, float)):
+        return False
+    if int in _types(tp) and float not in _types(tp) and not isinstance(v, int):
+        return False
+    if not math.isfinite(v) or (float not in _types(tp) and not -MAX_INT - 1 <= v <= MAX_INT):
+        return False  # an int key holds 64 bits; a float key any finite number
+    if v in rule.get("also", ()):
+        return True
+    return (v >= rule.get("ge", -math.inf) and v > rule.get("gt", -math.inf) and v <= rule.get("le", math.inf)
+            and v < rule.get("lt", math.inf))
+
+
+def _set(cfg: Config, key: str, value) -> None:
+    *path, leaf = key.split(".")
+    node = cfg
+    for p in path:
+        node = getattr(node, p)
+    setattr(node, leaf, copy.deepcopy(value))
+
+
+def _names(message: str, key: str) -> bool:
+    section, leaf = key.rsplit(".", 1) if "." in key else ("", key)
+    return key in message or (section in message and leaf in message)
+
+
+PER_KEY = settings(max_examples=_DEEP or 40, deadline=2000, suppress_health_check=[HealthCheck.too_slow],
+                   database=None, derandomize=not _DEEP)
+
+
+@pytest.mark.parametrize("key", sorted(RULES))
+@PER_KEY
+@given(data=st.data())
+def test_every_key_type_and_range(key, data):
+    value = data.draw(_values(key), label=key)
+    cfg = _tiny()
+    _set(cfg, key, value)
+    try:
+        validate(cfg)
+        refused = None
+    except ConfigError as e:
+        _one_line(e)
+        refused = str(e)
+    expected = _allowed(key, value)
+    cross = RULES[key][1].get("cross", ())
+    related = [key, *(c if "." in c else f"{key.rsplit('.', 1)[0]}.{c}" for c in cross)]
+    if expected is False:
+        assert refused is not None, f"{key}={value!r} is outside its declared rule but was accepted"
+        assert _names(refused, key), f"{key}={value!r}: the message does not name the key: {refused}"
+    elif expected is True and refused is not None:
+        assert any(_names(refused, k) for k in related) and cross, f"{key}={value!r} is inside its rule: {refused}"
+    elif refused is not None:  # a free rule: whatever refuses it names the key or a related one
+        assert any(_names(refused, k) for k in related), f"{key}={value!r}: {refused}"
+
+
+hparam_names = sorted({name for spec in __import__("cegppo.algorithm.objectives", fromlist=["OBJECTIVES"])
+                       .OBJECTIVES.values() for name in spec.defaults})
+
+
+@FUZZ
+@given(st.sampled_from(["ce_gppo", "gppo", "ppo_clip", "cispo", "gspo", "clip_cov", "kl_cov", "dapo"]),
+       st.sampled_from(hparam_names), st.none() | st.floats(allow_nan=True, allow_infinity=True) | st.integers(-3, 20)
+       | st.booleans() | st.text(max_size=4))
+def test_every_objective_hyperparameter_is_checked_before_a_model_loads(objective, name, value):
+    """`algorithm.hparams.eps_high=null` passed validation and crashed at the first update (issue 23): every
+    hyperparameter of every objective, generated from the registry, is either accepted by validate() and by the
+    objective the trainer builds, or refused by validate() naming it."""
+    from cegppo.algorithm.objectives import OBJECTIVES, get_objective
+
+    cfg = _tiny()
+    cfg.algorithm.objective = objective
+    cfg.algorithm.hparams = {name: value}
+    try:
+        validate(cfg)
+    except ConfigError as e:
+        _one_line(e)
+        assert name in str(e) or "algorithm.hparams" in str(e), str(e)
+        return
+    assert name in OBJECTIVES[objective].defaults
+    get_objective(cfg.algorithm.objective, **cfg.algorithm.hparams)  # what the trainer does: must not raise

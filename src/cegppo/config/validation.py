@@ -78,6 +78,8 @@ def _check_numbers(obj: Any, where: str) -> None:
             continue
         value = check_type(value, hints[f.name], key)
         setattr(obj, f.name, value)
+        if isinstance(value, str):
+            _need("\x00" not in value, key, "text without NUL bytes", value)
         if isinstance(value, float):
             _need(math.isfinite(value), key, "a finite number", value)
         elif isinstance(value, int) and not isinstance(value, bool):
