@@ -50,7 +50,7 @@ def run_seed(config: str, seed: int, out: Path, extra: list[str], commit: str) -
     if summary.is_file():
         done = json.loads(summary.read_text())
         if (done.get("provenance") or {}).get("commit") == commit:
-            print(f"seed {seed}: reusing {out.relative_to(ROOT)} (finished at this commit)", flush=True)
+            print(f"seed {seed}: reusing {out.relative_to(ROOT) if out.is_relative_to(ROOT) else out} (finished at this commit)", flush=True)
             return done
     cmd = command(config, seed, out, extra) + (["--overwrite"] if out.exists() else [])
     print(f"seed {seed}: {shlex.join(cmd[1:])}", flush=True)
@@ -94,6 +94,7 @@ def main() -> None:
     ap.add_argument("--config", default="quickstart")
     ap.add_argument("--quick", action="store_true", help="the tiny model for a few steps (a smoke test), into runs/")
     ap.add_argument("--out", type=Path, help="results directory (default benchmarks/results; --quick: runs/)")
+    ap.add_argument("--runs-dir", type=Path, help="where the seeds' runs go (default runs/quickstart-seeds[-quick])")
     ap.add_argument("--from-json", type=Path, help="re-render the report of a results file")
     args = ap.parse_args()
     from cegppo.engine.rundir import commit_label, machine, provenance
@@ -107,7 +108,7 @@ def main() -> None:
         return
     config, extra = ("tiny", QUICK) if args.quick else (args.config, [])
     out = args.out or (ROOT / "runs" / "quickstart_seeds_quick" if args.quick else RESULTS)
-    runs_dir = ROOT / "runs" / ("quickstart-seeds-quick" if args.quick else "quickstart-seeds")
+    runs_dir = args.runs_dir or ROOT / "runs" / ("quickstart-seeds-quick" if args.quick else "quickstart-seeds")
     commit = provenance()["commit"]
     load_before, t0 = round(os.getloadavg()[0], 2), time.perf_counter()
     runs = [run_seed(config, seed, runs_dir / f"seed{seed}", extra, commit) for seed in args.seeds]
