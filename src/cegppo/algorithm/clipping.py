@@ -1,4 +1,4 @@
-"""Clip geometry shared by the objectives and the diagnostics (docs/algorithm.md, "Notation" and "Clip regions").
+"""Clip geometry shared by the objectives and the diagnostics (docs/algorithm.md §1 and §2.1-§2.2).
 
 The importance ratio ``r = pi / pi_old`` (log-ratio clamped before ``exp``), GSPO's sequence ratio, and the regions
 where PPO-style clipping acts:

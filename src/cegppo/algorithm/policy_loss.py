@@ -1,5 +1,5 @@
 """The policy loss of one (micro-)batch, with its metrics: the single assembly that cegppo's trainer, the verl
-adapter and the TRL adapter all call (docs/algorithm.md, "The full loss"). Each engine only translates its own
+adapter and the TRL adapter all call (docs/algorithm.md §5, "The full loss"). Each engine only translates its own
 arguments (normalisers, per-token weights, coefficients) into these.
 
     loss = reduce(w * objective) + kl_coeff * reduce(kl_w * k3(ref, pi)) - entropy_coeff * reduce(H)
