@@ -74,31 +74,17 @@ def global_batch(vocab: int) -> dict[str, torch.Tensor]:
                 response_mask=response_mask, advantages=advantages.float() * response_mask)
 
 
-def main() -> None:
-    model_dir, out_dir = sys.argv[1], sys.argv[2]
-    torch.distributed.init_process_group("gloo")
-    rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
-
-    import verl_cpu_shim
-
-    verl_cpu_shim.install()
+def build_engine(model_dir: str, extra_overrides: tuple[str, ...] = ()):
+    """verl's FSDP2 engine as its worker builds it, from verl's Hydra config with :func:`overrides` (+ extra):
+    returns (engine, actor_config, model_config). Needs the process group and tests/verl_cpu_shim.py installed."""
     import verl
     from hydra import compose, initialize_config_dir
-    from tensordict import TensorDict
-    from verl.utils import tensordict_utils as tu
     from verl.utils.config import omega_conf_to_dataclass
-    from verl.utils.metric.utils import Metric
-    from verl.utils.torch_functional import allgather_dict_into_dict
     from verl.workers.engine import EngineRegistry
-    from verl.workers.utils.losses import ppo_loss
-    from verl.workers.utils.padding import left_right_2_no_padding, no_padding_2_padding
 
-    import cegppo.integrations.verl as cv
-
-    cv.check(trainer=False)  # ce_gppo is verl's, loaded through the entry point at `import verl`
     config_dir = os.path.join(os.path.dirname(verl.__file__), "trainer", "config")
     with initialize_config_dir(config_dir=config_dir, version_base=None):
-        cfg = compose(config_name="ppo_trainer", overrides=overrides(model_dir))
+        cfg = compose(config_name="ppo_trainer", overrides=overrides(model_dir) + list(extra_overrides))
     model_config = omega_conf_to_dataclass(cfg.actor_rollout_ref.model)
     actor_config = omega_conf_to_dataclass(cfg.actor_rollout_ref.actor)
     actor_config.model_config = model_config
@@ -110,6 +96,28 @@ def main() -> None:
     engine = EngineRegistry.new("language_model", "fsdp2", model_config=model_config, engine_config=engine_config,
                                 optimizer_config=actor_config.optim, checkpoint_config=actor_config.checkpoint)
     engine.initialize()
+    return engine, actor_config, model_config
+
+
+def main() -> None:
+    model_dir, out_dir = sys.argv[1], sys.argv[2]
+    torch.distributed.init_process_group("gloo")
+    rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
+
+    import verl_cpu_shim
+
+    verl_cpu_shim.install()
+    from tensordict import TensorDict
+    from verl.utils import tensordict_utils as tu
+    from verl.utils.metric.utils import Metric
+    from verl.utils.torch_functional import allgather_dict_into_dict
+    from verl.workers.utils.losses import ppo_loss
+    from verl.workers.utils.padding import left_right_2_no_padding, no_padding_2_padding
+
+    import cegppo.integrations.verl as cv
+
+    cv.check(trainer=False)  # ce_gppo is verl's, loaded through the entry point at `import verl`
+    engine, actor_config, model_config = build_engine(model_dir)
 
     full = global_batch(model_config.hf_config.vocab_size)
     per_rank = GLOBAL_BATCH // world

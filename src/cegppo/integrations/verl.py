@@ -40,7 +40,7 @@ import logging
 import os
 import warnings
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Optional
 
 _log = logging.getLogger(__name__)
 
@@ -60,8 +60,10 @@ try:
     from verl.trainer.ppo.core_algos import POLICY_LOSS_REGISTRY, agg_loss, register_policy_loss
     from verl.workers.config import PolicyLossConfig
 
+    from cegppo.algorithm.entropy_control import EntropyControlConfig, validate_entropy_control
     from cegppo.algorithm.objectives import OBJECTIVES, check_hparams, get_objective
     from cegppo.algorithm.policy_loss import policy_loss
+    from cegppo.errors import ConfigError
 except Exception as _exc:  # noqa: BLE001 - re-raised below; verl would otherwise hide it at DEBUG level
     _msg = (
         f"cegppo: could not load the verl plugin {__name__} ({type(_exc).__name__}: {_exc}). The 'ce_gppo' and "
@@ -87,10 +89,18 @@ class CEGPPOPolicyLossConfig(PolicyLossConfig):
     Select it with ``actor_rollout_ref.actor.policy_loss._target_=cegppo.integrations.verl.CEGPPOPolicyLossConfig``
     (verl's config dataclasses are strict: ``policy_loss.beta1`` is rejected on the stock class). The authors
     used beta1 = 0.5 for 1.5B models and 0.75 for 7B, beta2 = 1.
+
+    ``entropy_control``: the fields of :class:`cegppo.algorithm.entropy_control.EntropyControlConfig` (the entropy
+    autopilot, run by cegppo's verl trainer ``trainer.v1.trainer_mode=cegppo_sync``:
+    :mod:`cegppo.integrations.verl_autopilot`). beta1 / beta2 are the controller's starting values; the workers'
+    loss sets them each step from the batch (hence mutable here).
     """
+
+    _mutable_fields = PolicyLossConfig._mutable_fields | {"beta1", "beta2", "_cegppo_steered"}
 
     beta1: float = _DEFAULT_BETA1
     beta2: float = _DEFAULT_BETA2
+    entropy_control: Optional[dict[str, Any]] = None
 
     def __post_init__(self) -> None:
         check_hparams("CEGPPOPolicyLossConfig", {"beta1": self.beta1, "beta2": self.beta2})  # the objectives' own check
@@ -102,6 +112,22 @@ class CEGPPOPolicyLossConfig(PolicyLossConfig):
                 UserWarning,
                 stacklevel=2,
             )
+        self.control_config()  # validates entropy_control
+
+    def control_config(self) -> EntropyControlConfig | None:
+        """The validated ``entropy_control`` (``None`` when absent or off; ``ConfigError`` when invalid)."""
+        where = "actor_rollout_ref.actor.policy_loss.entropy_control"
+        if self.entropy_control is None:
+            return None
+        try:
+            cfg = EntropyControlConfig(**dict(self.entropy_control))
+        except TypeError as e:
+            raise ConfigError(f"{where}: {e} (keys: {', '.join(EntropyControlConfig.__dataclass_fields__)})") from None
+        if cfg.enabled and self.loss_mode != "ce_gppo":
+            raise ConfigError(f"{where}: the autopilot steers ce_gppo's beta1/beta2; loss_mode is {self.loss_mode!r} "
+                              "(for GPPO use loss_mode=ce_gppo with beta1=beta2=1)")
+        validate_entropy_control(cfg, "ce_gppo", {"beta1": self.beta1, "beta2": self.beta2}, where=where)
+        return cfg if cfg.enabled else None
 
 
 # --------------------------------------------------------------------------------------------------------
@@ -173,6 +199,12 @@ def _policy_loss(
     hp: dict[str, Any] = dict(eps_low=eps_low, eps_high=eps_high, clip_ratio_c=c)
     if objective_name == "ce_gppo":
         hp["beta1"], hp["beta2"] = _betas(config)
+        pl = _cfg_get(config, "policy_loss")
+        if isinstance(pl, CEGPPOPolicyLossConfig) and pl.entropy_control and dict(pl.entropy_control).get(
+                "enabled") and not getattr(pl, "_cegppo_steered", False):
+            raise ConfigError("actor_rollout_ref.actor.policy_loss.entropy_control.enabled=true, but nothing steers "
+                              "beta1: the autopilot runs in cegppo's verl trainer, trainer.v1.trainer_mode=cegppo_sync "
+                              "(cegppo.integrations.verl_autopilot)")
     objective = get_objective(objective_name, **hp)
 
     # verl normalises across its data-parallel ranks itself: its own agg_loss with the global batch info it passes
@@ -301,4 +333,21 @@ def check(trainer: bool = True) -> None:
         raise RuntimeError("cegppo verl integration is not usable:\n  - " + "\n  - ".join(problems))
 
 
+def _register_autopilot_trainer() -> None:
+    """``trainer.v1.trainer_mode=cegppo_sync`` (:mod:`cegppo.integrations.verl_autopilot`): registered wherever
+    verl's V1 trainer can import (it needs transfer_queue, from verl's [verl-core] extra)."""
+    import importlib.util
+
+    if importlib.util.find_spec("transfer_queue") is None:
+        return
+    try:
+        from cegppo.integrations.verl_autopilot import register_trainers
+
+        register_trainers()
+    except Exception as exc:  # noqa: BLE001 - the losses stay usable; say why the trainer mode is missing
+        _log.error("cegppo: could not register verl trainer_mode=cegppo_sync (the entropy autopilot): %s: %s",
+                   type(exc).__name__, exc)
+
+
 register()
+_register_autopilot_trainer()
