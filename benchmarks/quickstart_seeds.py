@@ -7,8 +7,9 @@ peak RSS, with the machine (CPU model and ISA, precision, load) and the commit.
     python benchmarks/quickstart_seeds.py --quick              # seconds: the tiny model, 2 steps, into runs/
     python benchmarks/quickstart_seeds.py --from-json benchmarks/results/quickstart_seeds.json   # re-render
 
-Each seed runs as its own ``cegppo train`` process in ``runs/quickstart-seeds/seedN``; a seed whose run finished
-at the same commit is reused, so an interrupted benchmark resumes where it stopped.
+Each seed runs as its own ``cegppo train`` process in ``runs/quickstart-seeds/seedN``; a seed whose run finished is
+reused (``--rerun`` trains it again), so an interrupted benchmark resumes where it stopped, and seeds run as separate
+``cegppo train`` commands can be collected. Each run's commit is recorded beside the commit that collected them.
 """
 
 from __future__ import annotations
@@ -44,18 +45,25 @@ def relative(record: dict) -> dict:
     return {**record, "provenance": prov}
 
 
-def run_seed(config: str, seed: int, out: Path, extra: list[str], commit: str) -> dict:
-    """One seed's summary.json: reused when that run finished at this commit, else trained from scratch."""
+def run_seed(config: str, seed: int, out: Path, extra: list[str], rerun: bool) -> dict:
+    """One seed's summary.json: a finished run is reused (its own provenance names the commit it ran at) unless
+    ``rerun``; else it is trained from scratch."""
     summary = out / "summary.json"
-    if summary.is_file():
+    if summary.is_file() and not rerun:
         done = json.loads(summary.read_text())
-        if (done.get("provenance") or {}).get("commit") == commit:
-            print(f"seed {seed}: reusing {out.relative_to(ROOT) if out.is_relative_to(ROOT) else out} (finished at this commit)", flush=True)
-            return done
+        print(f"seed {seed}: reusing {out.relative_to(ROOT) if out.is_relative_to(ROOT) else out} (finished at "
+              f"{run_commit(done)})", flush=True)
+        return done
     cmd = command(config, seed, out, extra) + (["--overwrite"] if out.exists() else [])
     print(f"seed {seed}: {shlex.join(cmd[1:])}", flush=True)
     subprocess.run(cmd, check=True, cwd=ROOT)
     return json.loads(summary.read_text())
+
+
+def run_commit(summary: dict) -> str:
+    """The short commit a run's summary records, ``-dirty`` when its tree had uncommitted changes."""
+    prov = summary.get("provenance") or {}
+    return (prov.get("commit") or "unknown")[:7] + ("-dirty" if prov.get("uncommitted_changes") else "")
 
 
 def spread(values: list[float]) -> dict:
@@ -73,10 +81,12 @@ def summarize(runs: list[dict]) -> dict:
 def report(result: dict) -> str:
     m, s = result["machine"], result["summary"]
     lines = [f"# Quickstart over {len(result['seeds'])} seeds", "",
-             f"`{result['command']}` at commit {result['commit']}, {result['date']}.",
+             f"`{result['command']}` at commit {result['commit']}, {result['date']}; the runs "
+             f"(`{result.get('run_command', '')}`) at {', '.join(result.get('run_commits', [result['commit']]))}.",
              f"Machine: {m['cpu']} ({m['isa']}, {m['cores']} cores), precision {result['precision']}, "
-             f"1-min load {result['load_before']} before / {result['load_after']} after "
-             f"(other processes were {'running' if result['load_before'] > m['cores'] * 0.6 else 'quiet'}).", "",
+             f"1-min load {result['load_before']} at the start of this command / {result['load_after']} at its end "
+             f"(wall times are comparable only where the runs had the machine to themselves; see the notes).", "",
+             *[f"- {n}" for n in result.get("notes", [])], "",
              "| held-out strict accuracy | " + " | ".join(f"seed {x}" for x in result["seeds"]) + " | mean ± sd |",
              "|---|" + "---|" * (len(result["seeds"]) + 1)]
     for stage, a in s["heldout_accuracy"].items():
@@ -95,9 +105,11 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true", help="the tiny model for a few steps (a smoke test), into runs/")
     ap.add_argument("--out", type=Path, help="results directory (default benchmarks/results; --quick: runs/)")
     ap.add_argument("--runs-dir", type=Path, help="where the seeds' runs go (default runs/quickstart-seeds[-quick])")
+    ap.add_argument("--rerun", action="store_true", help="train every seed again, even where a finished run exists")
+    ap.add_argument("--note", action="append", default=[], help="a line for the report (e.g. what else ran)")
     ap.add_argument("--from-json", type=Path, help="re-render the report of a results file")
     args = ap.parse_args()
-    from cegppo.engine.rundir import commit_label, machine, provenance
+    from cegppo.engine.rundir import commit_label, machine
     from cegppo.io import atomic_write_json, atomic_write_text
 
     if args.from_json:
@@ -109,13 +121,12 @@ def main() -> None:
     config, extra = ("tiny", QUICK) if args.quick else (args.config, [])
     out = args.out or (ROOT / "runs" / "quickstart_seeds_quick" if args.quick else RESULTS)
     runs_dir = args.runs_dir or ROOT / "runs" / ("quickstart-seeds-quick" if args.quick else "quickstart-seeds")
-    commit = provenance()["commit"]
     load_before, t0 = round(os.getloadavg()[0], 2), time.perf_counter()
-    runs = [run_seed(config, seed, runs_dir / f"seed{seed}", extra, commit) for seed in args.seeds]
+    runs = [run_seed(config, seed, runs_dir / f"seed{seed}", extra, args.rerun) for seed in args.seeds]
     precisions = {json.dumps(r["precision"], sort_keys=True) for r in runs}
     result = dict(command=shlex.join(["python", "benchmarks/quickstart_seeds.py", *sys.argv[1:]]),
                   run_command=shlex.join(["cegppo", "train", config, "train.seed=SEED", *extra]),
-                  commit=commit_label(), date=datetime.now(timezone.utc).isoformat(timespec="seconds"),
+                  commit=commit_label(), run_commits=[run_commit(r) for r in runs], notes=args.note, date=datetime.now(timezone.utc).isoformat(timespec="seconds"),
                   machine=machine(), load_before=load_before, load_after=round(os.getloadavg()[0], 2),
                   precision=" / ".join(sorted(precisions)), seeds=args.seeds, wall_s=time.perf_counter() - t0,
                   runs=[relative({k: r[k] for k in ("heldout_accuracy", "wall_time_s", "peak_rss_mb", "entropy_first",

@@ -139,6 +139,7 @@ def test_fresh_run_into_a_non_empty_run_directory_is_refused(tmp_path, capsys):
     (run / "checkpoints" / "step_000002").mkdir(parents=True)
     (run / "metrics.jsonl").write_text('{"step": 1}\n')
     (run / "config.yaml").write_text("train: {steps: 2}\n")
+    (run / "run.json").write_text('{"run_id": "x"}')  # the run's own record (an older one: no file list)
     assert main(["train", *CLI_BASE, f"output_dir={run}"]) == 2
     (line,) = error_lines(capsys.readouterr().err)
     assert line == (f"cegppo train: error: {run} already holds a run (config.yaml, metrics.jsonl, checkpoints/); "

@@ -219,7 +219,7 @@ class RunDir:
             return None
         if not isinstance(record, dict) or not isinstance(record.get("run_id"), str):
             return None
-        files = record.get("files", RUN_FILES)
+        files = record.get("files", list(RUN_FILES))  # a record from before the list: every run file name
         return {RUN_RECORD, *(f for f in files if f in RUN_FILES)} if isinstance(files, list) else {RUN_RECORD}
 
     def foreign_files(self) -> list[Path]:
