@@ -88,3 +88,18 @@ def test_gpu_check_calls_existing_options():
     # and the helper --prepare imports
     assert "smollm2_gguf_path" in text
     from cegppo.engine.models import smollm2_gguf_path  # noqa: F401
+
+
+def test_results_index_lists_every_results_file():
+    """benchmarks/results/README.md names every results file there; a JSON that records no machine says so."""
+    results = BENCH / "results"
+    index = (results / "README.md").read_text()
+    rows = [ln for ln in index.splitlines() if ln.startswith("| `")]
+    for path in sorted(results.iterdir()):
+        if path.name == "README.md":
+            continue
+        stem = path.name.split(".")[0]
+        row = [ln for ln in rows if re.search(rf"`{re.escape(stem)}[.`/ ]", ln.split("|")[1])]
+        assert row, f"benchmarks/results/{path.name} is not in benchmarks/results/README.md"
+        if path.suffix == ".json" and not (json.loads(path.read_text()).get("machine")):
+            assert "machine not recorded" in row[0], f"{path.name} records no machine; its index line must say so"
