@@ -27,8 +27,8 @@ def command(script: str) -> str:
 
 
 def provenance(script: str, precision: str) -> dict:
-    """commit, command, date, machine (:func:`cegppo.engine.rundir.machine`) and precision, for a results file."""
-    from cegppo.engine.rundir import commit_label, machine
+    """commit, command, date, machine (:func:`cegppo.engine.provenance.machine`) and precision, for a results file."""
+    from cegppo.engine.provenance import commit_label, machine
 
     return {"commit": commit_label(), "command": command(script),
             "date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "machine": machine(),

@@ -384,7 +384,7 @@ def main() -> None:
         return write(result, args.out or args.from_json.parent)
     import torch
 
-    from cegppo.engine.rundir import commit_label
+    from cegppo.engine.provenance import commit_label
 
     from cegppo.engine.models import fast_bf16
 

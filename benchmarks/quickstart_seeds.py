@@ -109,7 +109,7 @@ def main() -> None:
     ap.add_argument("--note", action="append", default=[], help="a line for the report (e.g. what else ran)")
     ap.add_argument("--from-json", type=Path, help="re-render the report of a results file")
     args = ap.parse_args()
-    from cegppo.engine.rundir import commit_label, machine
+    from cegppo.engine.provenance import commit_label, machine
     from cegppo.io import atomic_write_json, atomic_write_text
 
     if args.from_json:

@@ -368,13 +368,13 @@ def test_eval_refuses_a_checkpoint_that_no_longer_matches_its_manifest(tiny_conf
 
 def test_provenance_outside_a_git_checkout(tmp_path, monkeypatch):
     """A copy of the tree without .git (a GPU check's) names its commit in CEGPPO_COMMIT; git wins where it exists."""
-    from cegppo.engine import rundir
+    from cegppo.engine import provenance
 
-    in_git = rundir.provenance()["commit"]
+    in_git = provenance.provenance()["commit"]
     monkeypatch.setenv("CEGPPO_COMMIT", "0123456789abcdef")
     if in_git is not None:  # tests run from a checkout: its own commit is not overridden
-        assert rundir.provenance()["commit"] == in_git
-    monkeypatch.setattr(rundir, "__file__", str(tmp_path / "a" / "src" / "cegppo" / "engine" / "rundir.py"))
-    assert rundir.commit_label() == "0123456"
+        assert provenance.provenance()["commit"] == in_git
+    monkeypatch.setattr(provenance, "__file__", str(tmp_path / "a" / "src" / "cegppo" / "engine" / "provenance.py"))
+    assert provenance.commit_label() == "0123456"
     monkeypatch.delenv("CEGPPO_COMMIT")
-    assert rundir.commit_label() == "unknown"
+    assert provenance.commit_label() == "unknown"

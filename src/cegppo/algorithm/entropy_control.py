@@ -16,8 +16,11 @@ smoothed entropy, ``e = (H_ema - target) / target`` (positive: too much entropy)
     beta2  = clip(beta2_0 - (beta1_0 + s - beta1), beta2_min, beta2_max)   # only with move_beta2; else beta2_0
     bonus  = clip(-bonus_gain * s, 0, bonus_max)                           # entropy-bonus coefficient (s < 0 only)
 
-What it rests on (``benchmarks/results/entropy_dynamics.md``): **raising beta1 lowers entropy**, beyond 2 SE in
-every contrast we measured, so entropy above the target raises beta1. beta2 moves only when enabled, and only with
+What it rests on: the paper's mechanism, **raising beta1 lowers entropy** (more gradient kept on negative-advantage
+tokens below the clip), so entropy above the target raises beta1. At CPU scale our evidence is weak: an earlier
+20-batch run (``benchmarks/results/entropy_dynamics_prior.json``, stale: made with a removed API, no commit
+recorded) found -8.4e-3 +- 2.4e-3 nats/token for beta1 0 -> 1; the 5-batch rerun at HEAD
+(``benchmarks/results/entropy_dynamics.md``) has the same sign inside its noise (-5.5e-3 +- 5.3e-3). beta2 moves only when enabled, and only with
 the part of ``s`` that beta1 could not take (beta1 at a bound). Its sign is the paper's claim (a larger beta2
 keeps more gradient on positive-advantage tokens past the clip, which raises entropy, so entropy above the target
 *lowers* beta2); our measurements did **not** establish it (0 of 3 contrasts beyond 2 SE), hence off by default.

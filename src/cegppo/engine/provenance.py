@@ -1,0 +1,72 @@
+"""What produced a result: the command, cegppo's version, the commit (:func:`provenance`, :func:`commit_label`) and
+the machine (:func:`machine`: CPU model and ISA, cores, GPU, torch, load). Run directories record the first,
+results files under ``benchmarks/results`` all three."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+
+def provenance() -> dict:
+    """What produced a result: the command line, cegppo's version and, in a git checkout, the commit (a copy of the
+    tree without ``.git``, such as the one a GPU check runs in, names it in ``CEGPPO_COMMIT``)."""
+    src = Path(__file__).resolve().parents[3]  # the checkout, when cegppo runs from one (pip install -e)
+    commit, dirty = None, False
+    if (src / ".git").exists():
+        try:
+            commit = subprocess.run(["git", "-C", str(src), "rev-parse", "HEAD"], capture_output=True, text=True,
+                                    timeout=10).stdout.strip() or None
+            dirty = bool(subprocess.run(["git", "-C", str(src), "status", "--porcelain", "--untracked-files=no"],
+                                        capture_output=True, text=True, timeout=10).stdout.strip())
+        except (OSError, subprocess.SubprocessError):
+            pass
+    else:
+        commit = os.environ.get("CEGPPO_COMMIT") or None
+    return {"command": " ".join(["cegppo", *sys.argv[1:]]) if Path(sys.argv[0]).name == "cegppo" else " ".join(sys.argv),
+            "cegppo_version": _version(), "commit": commit, "uncommitted_changes": dirty}
+
+
+def machine() -> dict:
+    """The machine a result was measured on: CPU model, the ISA level that decides the precision (``amx`` /
+    ``avx512_bf16`` / ``avx512`` / ``avx2``), cores, whether bf16 is fast there, the GPU if torch sees one, torch's
+    version and threads, and the 1-minute load average (what else was running)."""
+    import platform
+
+    import torch
+
+    flags, model = set(), platform.processor() or platform.machine()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            key, _, value = line.partition(":")
+            if key.strip() == "model name":
+                model = value.strip()
+            elif key.strip() == "flags":
+                flags = set(value.split())
+                break
+    except OSError:
+        pass
+    isa = next((name for name, flag in (("amx", "amx_bf16"), ("avx512_bf16", "avx512_bf16"), ("avx512", "avx512f"),
+                                        ("avx2", "avx2")) if flag in flags), platform.machine())
+    gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else None
+    return {"cpu": model, "isa": isa, "cores": os.cpu_count(), "bf16_fast": bool(
+        torch.ops.mkldnn._is_mkldnn_bf16_supported()), "gpu": gpu, "torch": torch.__version__,
+        "threads": torch.get_num_threads(), "load_1min": round(os.getloadavg()[0], 2)}
+
+
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("cegppo")
+    except PackageNotFoundError:  # run from a source tree on PYTHONPATH, not installed
+        return "unknown (not installed)"
+
+
+def commit_label() -> str:
+    """The checkout's commit, short, with ``-dirty`` when tracked files have uncommitted changes (for results files);
+    ``unknown`` outside a git checkout."""
+    p = provenance()
+    return "unknown" if p["commit"] is None else p["commit"][:7] + ("-dirty" if p["uncommitted_changes"] else "")
