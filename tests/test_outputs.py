@@ -3,14 +3,13 @@ compare) checks its outputs before the expensive part; --overwrite removes only 
 --resume that cannot continue a run never replaces it (docs/reliability.md, docs/runs.md)."""
 
 import json
-import os
 from pathlib import Path
 
 import pytest
 
 import cegppo.recipes as recipes
 from cegppo.cli import main
-from cegppo.config import ConfigError, load_config
+from cegppo.config import ConfigError
 from cegppo.config.validation import RUN_PATH_HEADROOM
 from cegppo.engine.rundir import RUN_FILES
 from cegppo.engine.trainer import Trainer, TrainingError

@@ -50,7 +50,7 @@ def test_absurd_learning_rates_are_refused_before_the_model_loads(tmp_path, caps
     for key in ("optim.lr", "sft.lr"):
         assert main(["train", "tiny", f"{key}=1e30", f"output_dir={tmp_path / 'run'}"]) == 2
         (line,) = [x for x in capsys.readouterr().err.splitlines() if x.startswith("cegppo")]
-        assert line.startswith(f"cegppo train: error: ") and f"{key} must be a finite number >= 0 and <= 1 (AdamW " \
+        assert line.startswith("cegppo train: error: ") and f"{key} must be a finite number >= 0 and <= 1 (AdamW " \
             f"moves every weight by about lr per step" in line and line.endswith("got 1e+30")
     assert not (tmp_path / "run").exists()
 

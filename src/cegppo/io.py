@@ -19,6 +19,15 @@ def cache_root() -> Path:
     return Path(env).expanduser() if env else Path.home() / ".cache" / "cegppo"
 
 
+def probe_writable(directory: Path) -> None:
+    """Create ``directory`` (and its parents) and write then remove a probe file in it: raises ``OSError`` now,
+    before any work, where the real writes would fail later."""
+    directory.mkdir(parents=True, exist_ok=True)
+    probe = directory / f".write-test-{os.getpid()}"
+    probe.write_text("ok")
+    probe.unlink()
+
+
 def fsync_dir(path: Path) -> None:
     fd = os.open(path, os.O_RDONLY)
     try:

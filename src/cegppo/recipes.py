@@ -31,7 +31,7 @@ from cegppo.engine.rollout import HFRollout, Sampling
 from cegppo.engine.rundir import RunInterrupted, TrainingError
 from cegppo.engine.sft import supervised_warmup
 from cegppo.engine.trainer import Trainer
-from cegppo.io import read_jsonl
+from cegppo.io import probe_writable, read_jsonl
 from cegppo.reporting.plots import plot_run
 from cegppo.reporting.progress import Progress
 
@@ -245,10 +245,7 @@ def check_new_output(path: Path, key: str, *, directory: bool, headroom: int = 0
         raise ConfigError(f"{key} {path} is an existing file; it would be overwritten: choose a new path (or remove "
                           f"it)")
     try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        probe = path.parent / f".write-test-{os.getpid()}"
-        probe.write_text("ok")
-        probe.unlink()
+        probe_writable(path.parent)
     except OSError as e:
         raise ConfigError(f"{key} {path}: cannot write in {path.parent}: {e.strerror or e}") from None
 

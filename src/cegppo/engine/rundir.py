@@ -10,7 +10,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
-import os
 import shutil
 import uuid
 from datetime import datetime, timezone
@@ -22,7 +21,7 @@ from cegppo.config import Config, save_config, validate
 from cegppo.engine import checkpoint as ckpt
 from cegppo.engine.provenance import provenance
 from cegppo.engine.runlock import RunLock, RunLockedError
-from cegppo.io import append_jsonl, atomic_write_json, atomic_write_text, read_jsonl
+from cegppo.io import append_jsonl, atomic_write_json, atomic_write_text, probe_writable, read_jsonl
 
 log = logging.getLogger(__name__)
 
@@ -127,10 +126,7 @@ class RunDir:
         self.changes = self.path / "config_changes.jsonl"
         self._sinks: list[Any] = []
         try:
-            self.path.mkdir(parents=True, exist_ok=True)
-            probe = self.path / f".write-test-{os.getpid()}"
-            probe.write_text("ok")
-            probe.unlink()
+            probe_writable(self.path)
         except OSError as e:
             raise TrainingError(f"output directory {self.path} is not writable: {e.strerror or e}") from None
         try:
