@@ -2,8 +2,10 @@
 adapter and the TRL adapter all call (docs/algorithm.md §5, "The full loss"). Each engine only translates its own
 arguments (normalisers, per-token weights, coefficients) into these.
 
-    loss = reduce(w * objective) + kl_coeff * reduce(kl_w * k3(ref, pi)) - entropy_coeff * reduce(H)
-           + positive_loss_coeff * token-mean over fully-correct rollouts of (-log pi)
+    loss = reduce(w * objective)                                             # policy_term
+           + positive_loss_coeff * token-mean over fully-correct rollouts of (-log pi)   # correct_nll
+           + kl_coeff * reduce(kl_w * k3(ref, pi))                                # kl_term
+           - entropy_coeff * reduce(H)                                            # entropy_term
 """
 
 from __future__ import annotations
@@ -112,25 +114,28 @@ def policy_loss(
         None if x is None else _zero_masked(x, keep) for x in (token_weights, entropy, collision, ref_log_prob, kl_weights))
     correct = None if correct is None else _zero_masked(correct, row_keep)
 
+    # Each term is a scalar (0.0 where its coefficient is 0 or its input is absent); the loss is their sum, below.
     per_token = objective.token_loss(log_prob, old_log_prob, advantages, mask)
     if token_weights is not None:
         per_token = per_token * token_weights
-    loss = reduce(per_token, mask)
+    policy_term = reduce(per_token, mask)
     metrics = region_metrics(objective.clip_bounds, log_prob, old_log_prob, advantages, mask)
     metrics["pg_loss"] = _aggregate(per_token.detach(), mask, "token-mean")
 
+    correct_nll = kl_term = entropy_term = 0.0
     if positive_loss_coeff > 0 and correct is not None:
-        nll = _aggregate(-log_prob, mask * correct[:, None], "token-mean", num_tokens=num_correct_tokens)
-        loss = loss + positive_loss_coeff * nll
-        metrics["positive_loss"] = nll.detach()
+        correct_nll = _aggregate(-log_prob, mask * correct[:, None], "token-mean", num_tokens=num_correct_tokens)
+        metrics["positive_loss"] = correct_nll.detach()
     if kl_coeff > 0 and ref_log_prob is not None:
         kl = k3_kl(log_prob, ref_log_prob)
-        loss = loss + kl_coeff * reduce(kl if kl_weights is None else kl * kl_weights, mask)
+        kl_term = reduce(kl if kl_weights is None else kl * kl_weights, mask)
         metrics["kl"] = _aggregate(kl.detach(), mask, "token-mean")
     if entropy is not None:
         metrics["entropy/current"] = _aggregate(entropy.detach(), mask, "token-mean")
         metrics.update(quadrant_metrics(objective, log_prob.detach(), old_log_prob, advantages, mask, entropy.detach(),
                                         collision, prob_threshold=prob_threshold))
         if entropy_coeff > 0:
-            loss = loss - entropy_coeff * reduce(entropy, mask)
+            entropy_term = reduce(entropy, mask)
+
+    loss = policy_term + positive_loss_coeff * correct_nll + kl_coeff * kl_term - entropy_coeff * entropy_term
     return loss, metrics
