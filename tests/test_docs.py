@@ -23,9 +23,7 @@ FENCE = re.compile(r"^```python[ \t]*\n(.*?)^```[ \t]*$", re.S | re.M)
 
 # Blocks that run only as far as their imports, for files whose owners have not marked them yet: (file, sha1 of the
 # block's text) -> reason. Keyed by content: once the block changes, it runs in full (or needs a mark in the file).
-IMPORTS_ONLY = {
-    ("docs/scale-out.md", "b720e33667"): "trains SmolLM2 from the Hugging Face hub with TRL (a download, minutes)",
-}
+IMPORTS_ONLY: dict[tuple[str, str], str] = {}
 # Blocks known to fail, reported to their owner: (file, sha1 prefix) -> why. strict: once fixed, the entry must go.
 KNOWN_BROKEN: dict[tuple[str, str], str] = {}
 
@@ -152,3 +150,19 @@ def test_every_markdown_anchor_link_resolves():
 if os.environ.get("CEGPPO_PRINT_DOC_BLOCKS"):  # to fill the tables above: the digest of every block
     for f, ln, c, _ in BLOCKS:
         print(f, ln, digest(c))
+
+
+def test_one_quickstart_duration_everywhere():
+    """The quickstart's duration is one figure, from a results file, in the README, the CLI's help and the YAML."""
+    import json
+
+    from cegppo.cli import build_parser
+
+    summary = json.loads((ROOT / "benchmarks" / "results" / "quickstart" / "summary.json").read_text())
+    phrase = f"about {round(summary['wall_time_s'] / 60)} minutes"
+    texts = {"README.md": (ROOT / "README.md").read_text(), "cegppo --help": build_parser().description,
+             "quickstart.yaml": (ROOT / "src" / "cegppo" / "examples" / "quickstart.yaml").read_text()}
+    for name, text in texts.items():
+        assert phrase in " ".join(text.split()), f"{name} does not say {phrase!r}"
+        others = set(re.findall(r"(\d+)[- ]minute", text)) - {phrase.split()[1]}
+        assert not others, f"{name} quotes other durations: {others} minutes"
