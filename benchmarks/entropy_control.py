@@ -386,7 +386,7 @@ def main() -> None:
 
     from cegppo.engine.provenance import commit_label
 
-    from cegppo.engine.models import fast_bf16
+    from cegppo.engine.precision import fast_bf16
 
     suffix = "_quick" if args.quick else ""
     out = args.out or (quick_out("entropy_control") if args.quick else RESULTS)

@@ -40,7 +40,8 @@ from cegppo.algorithm.advantages import group_advantages
 from cegppo.data.problems import Problem
 from cegppo.io import atomic_write_json, atomic_write_text
 from cegppo.algorithm.logprobs import sequence_token_stats
-from cegppo.engine.models import fast_bf16, load_model
+from cegppo.engine.models import load_model
+from cegppo.engine.precision import fast_bf16
 from cegppo.algorithm.objectives import get_objective
 from cegppo.algorithm.policy_loss import policy_loss
 from cegppo.data.rewards import load_reward

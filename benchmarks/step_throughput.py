@@ -436,7 +436,7 @@ def main() -> None:
     import torch
 
 
-    from cegppo.engine.models import fast_bf16
+    from cegppo.engine.precision import fast_bf16
 
     s = settings(args)
     s["bf16"] = fast_bf16(args.device) if args.precision == "auto" else args.precision == "bf16"

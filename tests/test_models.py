@@ -173,7 +173,7 @@ def test_smollm2_preset(cache, monkeypatch):
 
 
 def test_resolve_device():
-    from cegppo.engine.models import resolve_device
+    from cegppo.engine.precision import resolve_device
 
     assert resolve_device("cpu") == "cpu"
     assert resolve_device("auto") == ("cuda" if torch.cuda.is_available() else "cpu")

@@ -26,7 +26,7 @@ from cegppo.engine import checkpoint as ckpt
 from cegppo.engine.checkpoint import MANIFEST, CheckpointError, verify_checkpoint
 from cegppo.engine.components import build_policy, build_reward, load_splits, step_seed
 from cegppo.engine.evaluation import EvalResult, evaluate
-from cegppo.engine.models import resolve_device, resolve_dtype, resolve_precision
+from cegppo.engine.precision import resolve_device, resolve_dtype, resolve_precision
 from cegppo.engine.rollout import HFRollout, Sampling
 from cegppo.engine.rundir import RunInterrupted, TrainingError
 from cegppo.engine.sft import supervised_warmup

@@ -10,7 +10,7 @@ import torch
 from torch import Tensor
 
 from cegppo.algorithm.logprobs import sequence_token_stats
-from cegppo.engine.models import autocast
+from cegppo.engine.precision import autocast
 from cegppo.engine.rollout import RolloutBatch
 
 

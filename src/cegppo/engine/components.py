@@ -15,7 +15,8 @@ from cegppo.config import Config, ConfigError, OptimConfig, RewardConfig, TrainC
 from cegppo.data.problems import DatasetError, Problem, load_problems
 from cegppo.data.rewards import RewardFn, load_reward
 from cegppo.data.tasks import make_task
-from cegppo.engine.models import ModelLoadError, load_model, resolve_dtype
+from cegppo.engine.models import ModelLoadError, load_model
+from cegppo.engine.precision import resolve_dtype
 from cegppo.engine.rollout import HFRollout, RolloutEngine
 
 

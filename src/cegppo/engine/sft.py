@@ -12,7 +12,7 @@ from cegppo.algorithm.logprobs import sequence_token_stats
 from cegppo.algorithm.objectives import aggregate
 from cegppo.config import SFTConfig
 from cegppo.data.problems import Problem
-from cegppo.engine.models import autocast
+from cegppo.engine.precision import autocast
 from cegppo.engine.reporter import Reporter, Silent
 from cegppo.engine.rollout import encode_prompts
 

@@ -28,7 +28,7 @@ from cegppo.engine.components import (DataOrder, build_optimizer, build_policy, 
                                       build_rollout, configure_torch, load_splits, set_lr, step_seed,
                                       weights_finite)
 from cegppo.engine.batching import Experience, column_token_stats, entropy_mean, entropy_sum, micro_batches
-from cegppo.engine.models import resolve_device, resolve_precision
+from cegppo.engine.precision import resolve_device, resolve_precision
 from cegppo.engine.reporter import Reporter, Silent
 from cegppo.engine.rollout import RolloutBatch, Sampling
 from cegppo.engine.rundir import RunDir, TrainingError
