@@ -142,7 +142,7 @@ def test_fresh_run_into_a_non_empty_run_directory_is_refused(tmp_path, capsys):
     (run / "run.json").write_text('{"run_id": "x"}')  # the run's own record (an older one: no file list)
     assert main(["train", *CLI_BASE, f"output_dir={run}"]) == 2
     (line,) = error_lines(capsys.readouterr().err)
-    assert line == (f"cegppo train: error: {run} already holds a run (config.yaml, metrics.jsonl, checkpoints/); "
+    assert line == (f"cegppo train: error: {run} already holds a run (run.json, config.yaml, metrics.jsonl, checkpoints/); "
                     f"pass --resume to continue it, or --overwrite to delete it and start over")
     assert (run / "metrics.jsonl").read_text() == '{"step": 1}\n'  # untouched
     assert main(["train", *CLI_BASE, f"output_dir={run}", "--resume", "--overwrite"]) == 2
