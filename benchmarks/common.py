@@ -35,6 +35,17 @@ def provenance(script: str, precision: str) -> dict:
             "precision": precision}
 
 
+def write_results(out: Path, name: str, result: dict, text: str) -> None:
+    """``out/name.json`` (the result) and ``out/name.md`` (its report ``text``), each written atomically; the report
+    is printed too."""
+    from cegppo.io import atomic_write_json, atomic_write_text
+
+    out.mkdir(parents=True, exist_ok=True)
+    atomic_write_json(out / f"{name}.json", result)
+    atomic_write_text(out / f"{name}.md", text)
+    print(text)
+
+
 def load_now() -> float:
     return round(os.getloadavg()[0], 2)
 

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import shlex
 import statistics
 import subprocess
@@ -25,8 +24,8 @@ import time
 from datetime import datetime, timezone
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-RESULTS = ROOT / "benchmarks" / "results"
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import RESULTS, ROOT, load_now, write_results  # noqa: E402
 STAGES = ("base", "warm-start", "final")
 QUICK = ["sft.steps=2", "train.steps=2", "data.num_train=32", "data.num_test=8", "eval.num_problems=8",
          "rollout.n=4", "train.prompts_per_step=2", "train.save_every=0", "rollout.max_new_tokens=16"]
@@ -89,7 +88,7 @@ def report(result: dict) -> str:
              *[f"- {n}" for n in result.get("notes", [])], "",
              "| held-out strict accuracy | " + " | ".join(f"seed {x}" for x in result["seeds"]) + " | mean ± sd |",
              "|---|" + "---|" * (len(result["seeds"]) + 1)]
-    for stage, a in s["heldout_accuracy"].items():
+    for stage, a in sorted(s["heldout_accuracy"].items(), key=lambda kv: STAGES.index(kv[0])):  # JSON sorts keys
         lines.append(f"| {stage} | " + " | ".join(f"{v:.3f}" for v in a["values"]) + f" | {a['mean']:.3f} ± {a['sd']:.3f} |")
     for key, label, fmt in (("wall_min", "wall time (min)", "{:.1f}"), ("peak_rss_gib", "peak RSS (GiB)", "{:.2f}")):
         a = s[key]
@@ -121,22 +120,19 @@ def main() -> None:
     config, extra = ("tiny", QUICK) if args.quick else (args.config, [])
     out = args.out or (ROOT / "runs" / "quickstart_seeds_quick" if args.quick else RESULTS)
     runs_dir = args.runs_dir or ROOT / "runs" / ("quickstart-seeds-quick" if args.quick else "quickstart-seeds")
-    load_before, t0 = round(os.getloadavg()[0], 2), time.perf_counter()
+    load_before, t0 = load_now(), time.perf_counter()
     runs = [run_seed(config, seed, runs_dir / f"seed{seed}", extra, args.rerun) for seed in args.seeds]
     precisions = {json.dumps(r["precision"], sort_keys=True) for r in runs}
     result = dict(command=shlex.join(["python", "benchmarks/quickstart_seeds.py", *sys.argv[1:]]),
                   run_command=shlex.join(["cegppo", "train", config, "train.seed=SEED", *extra]),
-                  commit=commit_label(), run_commits=[run_commit(r) for r in runs], notes=args.note, date=datetime.now(timezone.utc).isoformat(timespec="seconds"),
-                  machine=machine(), load_before=load_before, load_after=round(os.getloadavg()[0], 2),
+                  commit=commit_label(), run_commits=[run_commit(r) for r in runs], notes=args.note,
+                  date=datetime.now(timezone.utc).isoformat(timespec="seconds"),
+                  machine=machine(), load_before=load_before, load_after=load_now(),
                   precision=" / ".join(sorted(precisions)), seeds=args.seeds, wall_s=time.perf_counter() - t0,
                   runs=[relative({k: r[k] for k in ("heldout_accuracy", "wall_time_s", "peak_rss_mb", "entropy_first",
                                              "entropy_last", "precision", "provenance")}) for r in runs])
     result["summary"] = summarize(runs)
-    out.mkdir(parents=True, exist_ok=True)
-    atomic_write_json(out / "quickstart_seeds.json", result)
-    text = report(result)
-    atomic_write_text(out / "quickstart_seeds.md", text)
-    print(text)
+    write_results(out, "quickstart_seeds", result, report(result))
 
 
 if __name__ == "__main__":

@@ -40,7 +40,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import RESULTS, ROOT, provenance, provenance_line, quick_out  # noqa: E402
+from common import RESULTS, ROOT, provenance, provenance_line, quick_out, write_results  # noqa: E402
 
 SYSTEMS = ("cegppo", "trl")  # the kinds of worker
 # environment variables that change what is measured (the allocator, threads, vLLM's KV cache), recorded with it
@@ -465,14 +465,8 @@ def main() -> None:
 
 
 def _write(result: dict, out: Path) -> None:
-    from cegppo.io import atomic_write_json, atomic_write_text
-
     result["summary"] = summarize(result["runs"], result["settings"]["warmup"])
-    out.mkdir(parents=True, exist_ok=True)
-    atomic_write_json(out / "step_throughput.json", result)
-    text = report(result)
-    atomic_write_text(out / "step_throughput.md", text)
-    print(text)
+    write_results(out, "step_throughput", result, report(result))
 
 
 if __name__ == "__main__":
