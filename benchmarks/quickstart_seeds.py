@@ -6,6 +6,8 @@ peak RSS, with the machine (CPU model and ISA, precision, load) and the commit.
     python benchmarks/quickstart_seeds.py                      # seeds 0 1 2, ~25 min each on a 2-core AVX2 CPU
     python benchmarks/quickstart_seeds.py --quick              # seconds: the tiny model, 2 steps, into runs/
     python benchmarks/quickstart_seeds.py --from-json benchmarks/results/quickstart_seeds.json   # re-render
+    python benchmarks/quickstart_seeds.py --name warmstart_fp32 --set train.steps=0 --set model.precision=fp32
+        # a variant: the overrides apply to every seed; results in <name>.{json,md}, runs in runs/<name>/seedN
 
 Each seed runs as its own ``cegppo train`` process in ``runs/quickstart-seeds/seedN``; a seed whose run finished is
 reused (``--rerun`` trains it again), so an interrupted benchmark resumes where it stopped, and seeds run as separate
@@ -20,6 +22,7 @@ import shlex
 import statistics
 import subprocess
 import sys
+import threading
 import time
 from datetime import datetime, timezone
 from pathlib import Path
@@ -44,9 +47,51 @@ def relative(record: dict) -> dict:
     return {**record, "provenance": prov}
 
 
+def load_file(out: Path) -> Path:
+    """Where a run's load samples go: beside its directory (the run directory holds only the run's own files)."""
+    return out.parent / f"{out.name}.load.json"
+
+
+class LoadSampler(threading.Thread):
+    """The 1-minute load average every ``interval_s`` while a run trains, saved to :func:`load_file` as it goes:
+    what says whether the run's wall time is the quickstart's duration (the run alone on the machine) or not."""
+
+    def __init__(self, path: Path, interval_s: float = 15.0):
+        super().__init__(daemon=True)
+        self.path, self.interval_s, self.stop = path, interval_s, threading.Event()
+        self.record = {"interval_s": interval_s, "since": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+                       "samples": []}
+
+    def run(self) -> None:
+        from cegppo.io import atomic_write_json
+
+        t0 = time.monotonic()
+        while True:
+            self.record["samples"].append([round(time.monotonic() - t0, 1), load_now()])
+            atomic_write_json(self.path, self.record)
+            if self.stop.wait(self.interval_s):
+                return
+
+
+def run_load(out: Path, cores: int) -> dict | None:
+    """The load a run trained under, from its samples (None: not sampled): max and mean of the 1-minute load,
+    whether the samples began with the run, and ``alone`` = at most 1.5 x cores throughout (one training process
+    keeps the load near the core count; a second one on the machine doubles it)."""
+    path = load_file(out)
+    if not path.is_file():
+        return None
+    rec = json.loads(path.read_text())
+    loads = [x for _, x in rec["samples"]]
+    run = out / "run.json"
+    started = json.loads(run.read_text()).get("started") if run.is_file() else None
+    late = (datetime.fromisoformat(rec["since"]) - datetime.fromisoformat(started)).total_seconds() if started else None
+    return {"since": rec["since"], "samples": len(loads), "max": max(loads), "mean": statistics.fmean(loads),
+            "sampled_from_start_s": late, "alone": max(loads) <= 1.5 * cores}
+
+
 def run_seed(config: str, seed: int, out: Path, extra: list[str], rerun: bool) -> dict:
     """One seed's summary.json: a finished run is reused (its own provenance names the commit it ran at) unless
-    ``rerun``; else it is trained from scratch."""
+    ``rerun``; else it is trained from scratch, its load sampled (:class:`LoadSampler`)."""
     summary = out / "summary.json"
     if summary.is_file() and not rerun:
         done = json.loads(summary.read_text())
@@ -55,7 +100,13 @@ def run_seed(config: str, seed: int, out: Path, extra: list[str], rerun: bool) -
         return done
     cmd = command(config, seed, out, extra) + (["--overwrite"] if out.exists() else [])
     print(f"seed {seed}: {shlex.join(cmd[1:])}", flush=True)
-    subprocess.run(cmd, check=True, cwd=ROOT)
+    sampler = LoadSampler(load_file(out))
+    sampler.start()
+    try:
+        subprocess.run(cmd, check=True, cwd=ROOT)
+    finally:
+        sampler.stop.set()
+        sampler.join()
     return json.loads(summary.read_text())
 
 
@@ -71,10 +122,14 @@ def spread(values: list[float]) -> dict:
 
 
 def summarize(runs: list[dict]) -> dict:
+    """Accuracy per stage, wall time and peak RSS over the seeds; ``duration_alone_min``: the wall time of the runs
+    that had the machine to themselves (:func:`run_load`), the one duration figure the docs may quote."""
     acc = {stage: spread([r["heldout_accuracy"][stage] for r in runs]) for stage in STAGES
            if all(stage in r["heldout_accuracy"] for r in runs)}
+    alone = [r["wall_time_s"] / 60 for r in runs if (r.get("load") or {}).get("alone")]
     return {"heldout_accuracy": acc, "wall_min": spread([r["wall_time_s"] / 60 for r in runs]),
-            "peak_rss_gib": spread([r["peak_rss_mb"] / 1024 for r in runs])}
+            "peak_rss_gib": spread([r["peak_rss_mb"] / 1024 for r in runs]),
+            "duration_alone_min": spread(alone) if alone else None}
 
 
 def report(result: dict) -> str:
@@ -94,6 +149,18 @@ def report(result: dict) -> str:
         a = s[key]
         lines.append(f"| {label} | " + " | ".join(fmt.format(v) for v in a["values"])
                      + f" | {fmt.format(a['mean'])} ± {fmt.format(a['sd'])} |")
+    loads = [r.get("load") for r in result["runs"]]
+    lines.append("| 1-min load during the run: max / mean | " + " | ".join(
+        "not sampled" if x is None else f"{x['max']:.1f} / {x['mean']:.1f}" for x in loads) + " | |")
+    d = s.get("duration_alone_min")
+    alone = [seed for seed, x in zip(result["seeds"], loads) if x and x["alone"]]
+    lines += ["", f"Duration alone on the machine (runs whose sampled load stayed <= 1.5 x {m['cores']} cores: "
+              f"seeds {', '.join(map(str, alone))}): {d['mean']:.1f} min (range {d['min']:.1f}-{d['max']:.1f})."
+              if d else "No run's load was sampled and low throughout: no wall time here is the quickstart's duration."]
+    late = [f"seed {seed} from {x['sampled_from_start_s']:.0f} s after it started" for seed, x in zip(result["seeds"], loads)
+            if x and (x["sampled_from_start_s"] or 0) > 60]
+    if late:
+        lines.append(f"Load sampled late: {'; '.join(late)}.")
     return "\n".join(lines) + "\n"
 
 
@@ -104,7 +171,12 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true", help="the tiny model for a few steps (a smoke test), into runs/")
     ap.add_argument("--out", type=Path, help="results directory (default benchmarks/results; --quick: runs/)")
     ap.add_argument("--runs-dir", type=Path, help="where the seeds' runs go (default runs/quickstart-seeds[-quick])")
-    ap.add_argument("--rerun", action="store_true", help="train every seed again, even where a finished run exists")
+    ap.add_argument("--rerun", type=int, nargs="*", metavar="SEED",
+                    help="train these seeds again (no SEED: every seed), even where a finished run exists")
+    ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                    help="a config override for every seed's run (e.g. train.steps=0 model.precision=fp32)")
+    ap.add_argument("--name", default="quickstart_seeds",
+                    help="the results files' name and (unless --runs-dir) the runs' directory under runs/")
     ap.add_argument("--note", action="append", default=[], help="a line for the report (e.g. what else ran)")
     ap.add_argument("--from-json", type=Path, help="re-render the report of a results file")
     args = ap.parse_args()
@@ -114,14 +186,19 @@ def main() -> None:
     if args.from_json:
         result = json.loads(args.from_json.read_text())
         result["runs"] = [relative(r) for r in result["runs"]]
-        atomic_write_json(args.from_json, result)
+        atomic_write_json(args.from_json, result)  # the report's name is the file's
         atomic_write_text(args.from_json.with_suffix(".md"), report(result))
         return
-    config, extra = ("tiny", QUICK) if args.quick else (args.config, [])
+    config, extra = ("tiny", QUICK + args.set) if args.quick else (args.config, args.set)
     out = args.out or (ROOT / "runs" / "quickstart_seeds_quick" if args.quick else RESULTS)
-    runs_dir = args.runs_dir or ROOT / "runs" / ("quickstart-seeds-quick" if args.quick else "quickstart-seeds")
+    default_runs = "quickstart-seeds" if args.name == "quickstart_seeds" else args.name
+    runs_dir = args.runs_dir or ROOT / "runs" / (f"{default_runs}-quick" if args.quick else default_runs)
     load_before, t0 = load_now(), time.perf_counter()
-    runs = [run_seed(config, seed, runs_dir / f"seed{seed}", extra, args.rerun) for seed in args.seeds]
+    rerun = set(args.seeds if args.rerun == [] else args.rerun or [])
+    runs = [run_seed(config, seed, runs_dir / f"seed{seed}", extra, seed in rerun) for seed in args.seeds]
+    cores = machine()["cores"]
+    for seed, r in zip(args.seeds, runs):
+        r["load"] = run_load(runs_dir / f"seed{seed}", cores)
     precisions = {json.dumps(r["precision"], sort_keys=True) for r in runs}
     result = dict(command=shlex.join(["python", "benchmarks/quickstart_seeds.py", *sys.argv[1:]]),
                   run_command=shlex.join(["cegppo", "train", config, "train.seed=SEED", *extra]),
@@ -130,9 +207,9 @@ def main() -> None:
                   machine=machine(), load_before=load_before, load_after=load_now(),
                   precision=" / ".join(sorted(precisions)), seeds=args.seeds, wall_s=time.perf_counter() - t0,
                   runs=[relative({k: r[k] for k in ("heldout_accuracy", "wall_time_s", "peak_rss_mb", "entropy_first",
-                                             "entropy_last", "precision", "provenance")}) for r in runs])
+                                             "entropy_last", "precision", "provenance", "load")}) for r in runs])
     result["summary"] = summarize(runs)
-    write_results(out, "quickstart_seeds", result, report(result))
+    write_results(out, args.name, result, report(result))
 
 
 if __name__ == "__main__":

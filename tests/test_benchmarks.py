@@ -33,7 +33,8 @@ QUICK = {
     "objectives.py": ([], ["objectives.json"]),
     "reproduce_entropy.py": ([], ["entropy_dynamics.json", "entropy_dynamics.md"]),
     "step_throughput.py": ([], ["step_throughput.json", "step_throughput.md"]),
-    "quickstart_seeds.py": (["--seeds", "0", "--runs-dir", "{tmp}/runs"], ["quickstart_seeds.json", "quickstart_seeds.md"]),
+    "quickstart_seeds.py": (["--seeds", "0", "--runs-dir", "{tmp}/runs", "--set", "eval.num_problems=4"], ["quickstart_seeds.json", "quickstart_seeds.md"]),
+    "precision_gradients.py": ([], ["precision_gradients.json", "precision_gradients.md"]),
 }
 
 

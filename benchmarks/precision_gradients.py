@@ -1,0 +1,214 @@
+"""Where bf16 autocast moves the training gradient: on the same batches and weights, the gradient of the warm-start's
+SFT loss and of the RL loss under each precision mode against fp32, per parameter group and per layer.
+
+    python benchmarks/precision_gradients.py                 # SmolLM2-135M, the quickstart's batches, 3 of each
+    python benchmarks/precision_gradients.py --quick         # smoke test: the tiny model, into runs/
+
+Modes (fp32 master weights throughout, as the trainer keeps them):
+
+* ``fp32``: the reference;
+* ``bf16-autocast``: what ``model.precision: bf16-autocast`` does: every matmul in bf16, the LM head's included
+  (logits rounded to bf16, then a float32 softmax);
+* ``bf16-autocast, fp32 head``: the decoder under bf16 autocast, the LM head's matmul (the logits) in float32.
+
+Batches: SFT = the warm-start's loss (token-mean NLL of reference solutions, ``sft.batch_size`` problems drawn as
+:func:`cegppo.engine.sft.supervised_warmup` draws them); RL = the quickstart's objective (CE-GPPO, its hparams) on
+``rollout.n`` responses to ``train.prompts_per_step`` prompts sampled from the model in fp32 at T = 1, on-policy
+(old log-probs from the same pass, as the first mini-batch of a step), with seeded random advantages N(0, 1) per
+sequence: the gradient is a signed sum of the responses' log-prob gradients, which is what precision can disturb.
+
+Reported per batch and mode: the cosine similarity and the relative error ``|g - g_fp32| / |g_fp32|`` of the whole
+gradient, the cosine of the two sign vectors (``adam cos``: AdamW's first update is ``lr * g / |g|`` element-wise, so
+this is how alike the updates it would make from them are, tiny gradients counting as much as large ones), of each parameter group (q/k/v/o, gate/up/down, norms, the tied embedding / LM head) and of each layer,
+and the log-prob error (mean and max ``|log p - log p_fp32|`` over response tokens). The scale they must be judged
+against is printed beside them: the cosine between the fp32 gradients of two different batches of the same kind
+(the minibatch noise SGD lives with anyway). On a CPU without native bf16 the bf16 modes are emulated (the same
+rounding, slower): the timings then say nothing about a bf16 CPU.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import re
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from cegppo.algorithm.logprobs import linear_token_stats, response_hidden, sequence_token_stats
+from cegppo.algorithm.objectives import aggregate, get_objective
+from cegppo.algorithm.policy_loss import policy_loss
+from cegppo.cli import _resolve_config
+from cegppo.config import load_config
+from cegppo.engine.components import build_policy, load_splits
+from cegppo.engine.rollout import HFRollout, Sampling
+from cegppo.engine.sft import sft_batch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import RESULTS, provenance, provenance_line, quick_out, write_results  # noqa: E402
+
+MODES = ("fp32", "bf16-autocast", "bf16-autocast, fp32 head")
+
+
+def token_stats(model, ids, attn, width: int, mode: str, fused: bool, temperature: float = 1.0):
+    """Per-token (log-prob, entropy, collision) of the last ``width`` tokens in ``mode``."""
+    if mode == "fp32":
+        return sequence_token_stats(model, ids, attn, width, temperature, True, fused_head=fused)
+    with torch.autocast(ids.device.type, dtype=torch.bfloat16):
+        if mode == "bf16-autocast":
+            return sequence_token_stats(model, ids, attn, width, temperature, True, fused_head=fused)
+        hidden = response_hidden(model, ids, attn, width)
+    head = model.get_output_embeddings()  # fp32 head: its matmul outside autocast, on the fp32 hidden states
+    return linear_token_stats(hidden.float(), head.weight, head.bias, ids[:, -width:], temperature, collision=True)
+
+
+def sft_loss(model, batch, mode: str) -> tuple[torch.Tensor, torch.Tensor]:
+    ids, attn, mask = batch
+    lp, _, _ = token_stats(model, ids, attn, mask.shape[1], mode, fused=False)  # the warm-start's path
+    return aggregate(-lp, mask, "token-mean"), lp
+
+
+def rl_loss(model, batch, mode: str, objective, agg: str, temperature: float) -> tuple[torch.Tensor, torch.Tensor]:
+    rb, adv = batch
+    mask = rb.response_mask.float()
+    lp, ent, col = token_stats(model, rb.input_ids, rb.attention_mask, rb.response_len, mode, True, temperature)
+    loss, _ = policy_loss(objective, lp, lp.detach(), adv, mask, agg=agg, entropy=ent, collision=col)
+    return loss, lp
+
+
+def group_of(name: str) -> tuple[str, int | None]:
+    """``model.layers.3.self_attn.q_proj.weight`` -> (``self_attn.q_proj``, 3); embeddings/final norm: layer None."""
+    m = re.search(r"layers\.(\d+)\.", name)
+    short = re.sub(r"^model\.|layers\.\d+\.|\.weight$|\.bias$", "", name)
+    return short, (int(m.group(1)) if m else None)
+
+
+def gradient(model, loss_fn) -> tuple[dict[str, torch.Tensor], torch.Tensor, float]:
+    model.zero_grad(set_to_none=True)
+    t0 = time.perf_counter()
+    loss, lp = loss_fn()
+    loss.backward()
+    seconds = time.perf_counter() - t0
+    grads = {n: p.grad.detach().float().clone() for n, p in model.named_parameters() if p.grad is not None}
+    return grads, lp.detach(), seconds
+
+
+def compare(g: dict[str, torch.Tensor], ref: dict[str, torch.Tensor]) -> dict:
+    """Cosine and relative error of ``g`` against ``ref``: overall, per parameter group, per layer."""
+    def pair(names: list[str]) -> dict:
+        a = torch.cat([g[n].flatten() for n in names]).double()  # float64: a cosine of 1 - 1e-6 must read as such
+        b = torch.cat([ref[n].flatten() for n in names]).double()
+        return {"cos": float(torch.nn.functional.cosine_similarity(a, b, dim=0)),
+                "rel_err": float((a - b).norm() / b.norm().clamp(min=1e-30)),
+                # AdamW's first step is lr * g / |g| element-wise: how alike the two updates it would make are
+                "adam_cos": float(torch.nn.functional.cosine_similarity(a.sign(), b.sign(), dim=0))}
+    groups: dict[str, list[str]] = {}
+    layers: dict[str, list[str]] = {}
+    for n in ref:
+        short, layer = group_of(n)
+        groups.setdefault(short, []).append(n)
+        layers.setdefault("other" if layer is None else str(layer), []).append(n)
+    return {"all": pair(list(ref)), "groups": {k: pair(v) for k, v in groups.items()},
+            "layers": {k: pair(v) for k, v in layers.items()}}
+
+
+def logprob_error(lp: torch.Tensor, ref: torch.Tensor, mask: torch.Tensor) -> dict:
+    d = (lp - ref).abs() * mask
+    return {"mean": float(d.sum() / mask.sum()), "max": float(d.max())}
+
+
+def report(result: dict) -> str:
+    lines = ["# Gradients under bf16 autocast against fp32", "", f"`{result['command']}`", "",
+             provenance_line(result), "", result["setup"], "",
+             "| loss | batch | mode | cos (all) | rel. err (all) | adam cos | worst group: cos | log-prob err mean / max | s |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    for r in result["rows"]:
+        c = r["vs_fp32"]
+        worst = min(c["groups"].items(), key=lambda kv: kv[1]["cos"])
+        lines.append(f"| {r['loss']} | {r['batch']} | {r['mode']} | {c['all']['cos']:.5f} | {c['all']['rel_err']:.4f} | "
+                     f"{c['all']['adam_cos']:.4f} | {worst[0]}: {worst[1]['cos']:.4f} | {r['logprob_err']['mean']:.4f} / {r['logprob_err']['max']:.3f} "
+                     f"| {r['seconds']:.1f} |")
+    lines += ["", "The scale: cosine between the fp32 gradients of two different batches of the same kind "
+              "(minibatch noise).", "", "| loss | batches | cos | adam cos |", "|---|---|---|---|"]
+    lines += [f"| {n['loss']} | {n['batches']} | {n['cos']:.4f} | {n['adam_cos']:.4f} |" for n in result["batch_noise"]]
+    lines += ["", "Per parameter group (mean over batches): cosine to fp32 / adam cos to fp32.", "",
+              "| loss | group | " + " | ".join(result["modes"][1:]) + " |", "|---|---|" + "---|" * (len(result["modes"]) - 1)]
+    for loss in ("SFT", "RL"):
+        rows = [r for r in result["rows"] if r["loss"] == loss and r["mode"] != "fp32"]
+        for grp in (rows[0]["vs_fp32"]["groups"] if rows else {}):
+            cells = []
+            for mode in result["modes"][1:]:
+                vals = [r["vs_fp32"]["groups"][grp] for r in rows if r["mode"] == mode]
+                cells.append(f"{sum(v['cos'] for v in vals) / len(vals):.5f} / "
+                             f"{sum(v['adam_cos'] for v in vals) / len(vals):.3f}")
+            lines.append(f"| {loss} | {grp} | " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--config", default="quickstart")
+    ap.add_argument("--batches", type=int, default=3, help="batches of each kind (SFT, RL)")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("--quick", action="store_true", help="the tiny model, 2 small batches of each kind: a smoke test")
+    ap.add_argument("--out", type=Path, help=f"results directory (default {RESULTS}; --quick: runs/precision_gradients_quick)")
+    args = ap.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    overrides = ["model.name=tiny", "sft.batch_size=4", "rollout.n=2", "train.prompts_per_step=2",
+                 "rollout.max_new_tokens=8"] if args.quick else []
+    if args.quick:
+        args.batches = 2
+    cfg = load_config(_resolve_config(args.config), overrides)
+    out_dir = args.out or (quick_out("precision_gradients") if args.quick else RESULTS)
+    prov = provenance("precision_gradients.py", "fp32 vs bf16-autocast (fp32 master weights)")
+    torch.manual_seed(args.seed)
+    model, tok = build_policy(cfg.model.name)
+    model.train()  # as in training (the bundled models have no dropout: train() changes no numerics)
+    train, _ = load_splits(cfg)
+    objective = get_objective(cfg.algorithm.objective, **cfg.algorithm.hparams)
+    g = torch.Generator().manual_seed(args.seed)
+    sft_batches = [sft_batch(tok, [train[i] for i in torch.randint(len(train), (cfg.sft.batch_size,), generator=g).tolist()])
+                   for _ in range(args.batches)]
+    engine = HFRollout(model, tok, cfg.rollout.max_prompt_tokens, torch.float32)
+    sampling = Sampling(temperature=cfg.rollout.temperature, max_new_tokens=cfg.rollout.max_new_tokens)
+    rl_batches = []
+    for b in range(args.batches):
+        idx = torch.randint(len(train), (cfg.train.prompts_per_step,), generator=g).tolist()
+        with torch.no_grad():
+            rb = engine.generate([train[i].messages for i in idx], cfg.rollout.n, sampling)
+        rl_batches.append((rb, torch.randn(rb.input_ids.shape[0], generator=g)))
+
+    rows, fp32_grads = [], {"SFT": [], "RL": []}
+    for kind, batches in (("SFT", sft_batches), ("RL", rl_batches)):
+        for b, batch in enumerate(batches):
+            mask = batch[2] if kind == "SFT" else batch[0].response_mask.float()
+            ref = None
+            for mode in MODES:
+                fn = ((lambda: sft_loss(model, batch, mode)) if kind == "SFT" else
+                      (lambda: rl_loss(model, batch, mode, objective, cfg.algorithm.agg, cfg.rollout.temperature)))
+                grads, lp, seconds = gradient(model, fn)
+                if mode == "fp32":
+                    ref = (grads, lp)
+                    fp32_grads[kind].append(grads)
+                rows.append({"loss": kind, "batch": b, "mode": mode, "seconds": seconds, "tokens": int(mask.sum()),
+                             "vs_fp32": compare(grads, ref[0]), "logprob_err": logprob_error(lp, ref[1], mask)})
+                r = rows[-1]
+                print(f"{kind} batch {b} {mode:26s} cos {r['vs_fp32']['all']['cos']:.5f} rel.err "
+                      f"{r['vs_fp32']['all']['rel_err']:.4f} logp err {r['logprob_err']['mean']:.4f} {seconds:.1f}s",
+                      flush=True)
+    noise = [{"loss": k, "batches": f"{i} vs {i + 1}", **compare(v[i], v[i + 1])["all"]}
+             for k, v in fp32_grads.items() for i in range(len(v) - 1)]
+    setup = (f"Model `{cfg.model.name}`, config `{args.config}`: SFT batches of {cfg.sft.batch_size} reference solutions; "
+             f"RL batches of {cfg.train.prompts_per_step} prompts x {cfg.rollout.n} responses (<= "
+             f"{cfg.rollout.max_new_tokens} tokens, sampled in fp32 at T = {cfg.rollout.temperature}), objective "
+             f"`{cfg.algorithm.objective}` {cfg.algorithm.hparams}, random N(0,1) advantages, on-policy. Seed {args.seed}.")
+    result = {**prov, "setup": setup, "modes": list(MODES), "rows": rows, "batch_noise": noise}
+    write_results(out_dir, "precision_gradients", result, report(result))
+
+
+if __name__ == "__main__":
+    main()
