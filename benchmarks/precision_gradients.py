@@ -4,12 +4,16 @@ SFT loss and of the RL loss under each precision mode against fp32, per paramete
     python benchmarks/precision_gradients.py                 # SmolLM2-135M, the quickstart's batches, 3 of each
     python benchmarks/precision_gradients.py --quick         # smoke test: the tiny model, into runs/
 
-Modes (fp32 master weights throughout, as the trainer keeps them):
+Modes (fp32 master weights throughout, as the trainer keeps them; the LM head as a plain ``F.linear``, the path of
+``model.fused_lm_head=false``, which computes the same numbers as the fused head):
 
 * ``fp32``: the reference;
-* ``bf16-autocast``: what ``model.precision: bf16-autocast`` does: every matmul in bf16, the LM head's included
-  (logits rounded to bf16, then a float32 softmax);
-* ``bf16-autocast, fp32 head``: the decoder under bf16 autocast, the LM head's matmul (the logits) in float32.
+* ``bf16 (emulated)``: the numerics of ``model.precision: bf16-autocast`` (every matmul in bf16, the LM head's
+  included: logits rounded to bf16, then a float32 softmax), computed at fp32 speed by
+  :class:`bf16_rounding.Bf16Rounding`, because on a CPU without native bf16 the real kernels are 85-185x slower;
+* ``bf16 (emulated), fp32 head``: the same with the LM head's matmul (the logits) in float32;
+* ``bf16-autocast``: the real thing, where bf16 is fast (or with ``--autocast``; ``--quick`` always, on the tiny
+  model), so the emulation is checked against it (``vs autocast``).
 
 Batches: SFT = the warm-start's loss (token-mean NLL of reference solutions, ``sft.batch_size`` problems drawn as
 :func:`cegppo.engine.sft.supervised_warmup` draws them); RL = the quickstart's objective (CE-GPPO, its hparams) on
@@ -22,14 +26,12 @@ gradient, the cosine of the two sign vectors (``adam cos``: AdamW's first update
 this is how alike the updates it would make from them are, tiny gradients counting as much as large ones), of each parameter group (q/k/v/o, gate/up/down, norms, the tied embedding / LM head) and of each layer,
 and the log-prob error (mean and max ``|log p - log p_fp32|`` over response tokens). The scale they must be judged
 against is printed beside them: the cosine between the fp32 gradients of two different batches of the same kind
-(the minibatch noise SGD lives with anyway). On a CPU without native bf16 the bf16 modes are emulated (the same
-rounding, slower): the timings then say nothing about a bf16 CPU.
+(the minibatch noise SGD lives with anyway). The seconds are this machine's, per forward + backward.
 """
 
 from __future__ import annotations
 
 import argparse
-import contextlib
 import re
 import sys
 import time
@@ -37,43 +39,36 @@ from pathlib import Path
 
 import torch
 
-from cegppo.algorithm.logprobs import linear_token_stats, response_hidden, sequence_token_stats
+from cegppo.algorithm.logprobs import sequence_token_stats
 from cegppo.algorithm.objectives import aggregate, get_objective
 from cegppo.algorithm.policy_loss import policy_loss
 from cegppo.cli import _resolve_config
 from cegppo.config import load_config
 from cegppo.engine.components import build_policy, load_splits
+from cegppo.engine.precision import fast_bf16
 from cegppo.engine.rollout import HFRollout, Sampling
 from cegppo.engine.sft import sft_batch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bf16_rounding import EMULATED, precision_context  # noqa: E402
 from common import RESULTS, provenance, provenance_line, quick_out, write_results  # noqa: E402
 
-MODES = ("fp32", "bf16-autocast", "bf16-autocast, fp32 head")
-
-
-def token_stats(model, ids, attn, width: int, mode: str, fused: bool, temperature: float = 1.0):
+def token_stats(model, ids, attn, width: int, mode: str, temperature: float = 1.0):
     """Per-token (log-prob, entropy, collision) of the last ``width`` tokens in ``mode``."""
-    if mode == "fp32":
-        return sequence_token_stats(model, ids, attn, width, temperature, True, fused_head=fused)
-    with torch.autocast(ids.device.type, dtype=torch.bfloat16):
-        if mode == "bf16-autocast":
-            return sequence_token_stats(model, ids, attn, width, temperature, True, fused_head=fused)
-        hidden = response_hidden(model, ids, attn, width)
-    head = model.get_output_embeddings()  # fp32 head: its matmul outside autocast, on the fp32 hidden states
-    return linear_token_stats(hidden.float(), head.weight, head.bias, ids[:, -width:], temperature, collision=True)
+    with precision_context(model, mode):
+        return sequence_token_stats(model, ids, attn, width, temperature, True, fused_head=False)
 
 
 def sft_loss(model, batch, mode: str) -> tuple[torch.Tensor, torch.Tensor]:
     ids, attn, mask = batch
-    lp, _, _ = token_stats(model, ids, attn, mask.shape[1], mode, fused=False)  # the warm-start's path
+    lp, _, _ = token_stats(model, ids, attn, mask.shape[1], mode)  # the warm-start's path
     return aggregate(-lp, mask, "token-mean"), lp
 
 
 def rl_loss(model, batch, mode: str, objective, agg: str, temperature: float) -> tuple[torch.Tensor, torch.Tensor]:
     rb, adv = batch
     mask = rb.response_mask.float()
-    lp, ent, col = token_stats(model, rb.input_ids, rb.attention_mask, rb.response_len, mode, True, temperature)
+    lp, ent, col = token_stats(model, rb.input_ids, rb.attention_mask, rb.response_len, mode, temperature)
     loss, _ = policy_loss(objective, lp, lp.detach(), adv, mask, agg=agg, entropy=ent, collision=col)
     return loss, lp
 
@@ -120,20 +115,29 @@ def logprob_error(lp: torch.Tensor, ref: torch.Tensor, mask: torch.Tensor) -> di
 
 
 def report(result: dict) -> str:
-    lines = ["# Gradients under bf16 autocast against fp32", "", f"`{result['command']}`", "",
+    lines = ["# Gradients under bf16 (autocast's numerics) against fp32", "", f"`{result['command']}`", "",
              provenance_line(result), "", result["setup"], "",
-             "| loss | batch | mode | cos (all) | rel. err (all) | adam cos | worst group: cos | log-prob err mean / max | s |",
-             "|---|---|---|---|---|---|---|---|---|"]
+             "Each mode against fp32 on the same batch and weights: 1 - cosine and relative error of the whole "
+             "gradient, adam cos (sign agreement: AdamW's first update), the parameter group furthest from fp32, the "
+             "log-prob error over response tokens; where real autocast ran, the emulation's relative error to it.", "",
+             "| loss | batch | mode | 1 - cos | rel. err | adam cos | worst group: 1 - cos | log-prob err mean / max "
+             "| vs autocast: rel. err | s |", "|---|---|---|---|---|---|---|---|---|---|"]
     for r in result["rows"]:
         c = r["vs_fp32"]
+        if r["mode"] == "fp32":
+            lines.append(f"| {r['loss']} | {r['batch']} | fp32 | | | | | | | {r['seconds']:.1f} |")
+            continue
         worst = min(c["groups"].items(), key=lambda kv: kv[1]["cos"])
-        lines.append(f"| {r['loss']} | {r['batch']} | {r['mode']} | {c['all']['cos']:.5f} | {c['all']['rel_err']:.4f} | "
-                     f"{c['all']['adam_cos']:.4f} | {worst[0]}: {worst[1]['cos']:.4f} | {r['logprob_err']['mean']:.4f} / {r['logprob_err']['max']:.3f} "
-                     f"| {r['seconds']:.1f} |")
-    lines += ["", "The scale: cosine between the fp32 gradients of two different batches of the same kind "
-              "(minibatch noise).", "", "| loss | batches | cos | adam cos |", "|---|---|---|---|"]
-    lines += [f"| {n['loss']} | {n['batches']} | {n['cos']:.4f} | {n['adam_cos']:.4f} |" for n in result["batch_noise"]]
-    lines += ["", "Per parameter group (mean over batches): cosine to fp32 / adam cos to fp32.", "",
+        real = r.get("vs_autocast")
+        lines.append(f"| {r['loss']} | {r['batch']} | {r['mode']} | {1 - c['all']['cos']:.1e} | {c['all']['rel_err']:.4f} "
+                     f"| {c['all']['adam_cos']:.3f} | {worst[0]}: {1 - worst[1]['cos']:.1e} | "
+                     f"{r['logprob_err']['mean']:.4f} / {r['logprob_err']['max']:.3f} | "
+                     f"{'' if real is None else format(real['rel_err'], '.4f')} | {r['seconds']:.1f} |")
+    lines += ["", "The scale: the fp32 gradients of two different batches of the same kind (minibatch noise).", "",
+              "| loss | batches | 1 - cos | rel. err | adam cos |", "|---|---|---|---|---|"]
+    lines += [f"| {n['loss']} | {n['batches']} | {1 - n['cos']:.3f} | {n['rel_err']:.3f} | {n['adam_cos']:.3f} |"
+              for n in result["batch_noise"]]
+    lines += ["", "Per parameter group (mean over batches): 1 - cos to fp32 / adam cos to fp32.", "",
               "| loss | group | " + " | ".join(result["modes"][1:]) + " |", "|---|---|" + "---|" * (len(result["modes"]) - 1)]
     for loss in ("SFT", "RL"):
         rows = [r for r in result["rows"] if r["loss"] == loss and r["mode"] != "fp32"]
@@ -141,7 +145,7 @@ def report(result: dict) -> str:
             cells = []
             for mode in result["modes"][1:]:
                 vals = [r["vs_fp32"]["groups"][grp] for r in rows if r["mode"] == mode]
-                cells.append(f"{sum(v['cos'] for v in vals) / len(vals):.5f} / "
+                cells.append(f"{sum(1 - v['cos'] for v in vals) / len(vals):.1e} / "
                              f"{sum(v['adam_cos'] for v in vals) / len(vals):.3f}")
             lines.append(f"| {loss} | {grp} | " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
@@ -153,6 +157,7 @@ def main() -> None:
     ap.add_argument("--batches", type=int, default=3, help="batches of each kind (SFT, RL)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("--autocast", action="store_true", help="run real bf16 autocast too where bf16 is slow")
     ap.add_argument("--quick", action="store_true", help="the tiny model, 2 small batches of each kind: a smoke test")
     ap.add_argument("--out", type=Path, help=f"results directory (default {RESULTS}; --quick: runs/precision_gradients_quick)")
     args = ap.parse_args()
@@ -161,10 +166,11 @@ def main() -> None:
     overrides = ["model.name=tiny", "sft.batch_size=4", "rollout.n=2", "train.prompts_per_step=2",
                  "rollout.max_new_tokens=8"] if args.quick else []
     if args.quick:
-        args.batches = 2
+        args.batches, args.autocast = 2, True
+    modes = ["fp32", *EMULATED] + (["bf16-autocast"] if args.autocast or fast_bf16() else [])
     cfg = load_config(_resolve_config(args.config), overrides)
     out_dir = args.out or (quick_out("precision_gradients") if args.quick else RESULTS)
-    prov = provenance("precision_gradients.py", "fp32 vs bf16-autocast (fp32 master weights)")
+    prov = provenance("precision_gradients.py", f"{', '.join(modes)} (fp32 master weights)")
     torch.manual_seed(args.seed)
     model, tok = build_policy(cfg.model.name)
     model.train()  # as in training (the bundled models have no dropout: train() changes no numerics)
@@ -186,27 +192,32 @@ def main() -> None:
     for kind, batches in (("SFT", sft_batches), ("RL", rl_batches)):
         for b, batch in enumerate(batches):
             mask = batch[2] if kind == "SFT" else batch[0].response_mask.float()
-            ref = None
-            for mode in MODES:
+            grads_of = {}
+            for mode in modes:
                 fn = ((lambda: sft_loss(model, batch, mode)) if kind == "SFT" else
                       (lambda: rl_loss(model, batch, mode, objective, cfg.algorithm.agg, cfg.rollout.temperature)))
-                grads, lp, seconds = gradient(model, fn)
+                grads_of[mode], lp, seconds = gradient(model, fn)
                 if mode == "fp32":
-                    ref = (grads, lp)
-                    fp32_grads[kind].append(grads)
-                rows.append({"loss": kind, "batch": b, "mode": mode, "seconds": seconds, "tokens": int(mask.sum()),
-                             "vs_fp32": compare(grads, ref[0]), "logprob_err": logprob_error(lp, ref[1], mask)})
-                r = rows[-1]
-                print(f"{kind} batch {b} {mode:26s} cos {r['vs_fp32']['all']['cos']:.5f} rel.err "
+                    ref_lp = lp
+                    fp32_grads[kind].append(grads_of[mode])
+                r = {"loss": kind, "batch": b, "mode": mode, "seconds": seconds, "tokens": int(mask.sum()),
+                     "vs_fp32": compare(grads_of[mode], grads_of["fp32"]), "logprob_err": logprob_error(lp, ref_lp, mask)}
+                rows.append(r)
+                print(f"{kind} batch {b} {mode:26s} cos {r['vs_fp32']['all']['cos']:.6f} rel.err "
                       f"{r['vs_fp32']['all']['rel_err']:.4f} logp err {r['logprob_err']['mean']:.4f} {seconds:.1f}s",
                       flush=True)
+            if "bf16-autocast" in grads_of:  # the emulation against the real autocast
+                for r in rows[-len(modes):]:
+                    if r["mode"] in EMULATED:
+                        r["vs_autocast"] = compare(grads_of[r["mode"]], grads_of["bf16-autocast"])["all"]
+            del grads_of
     noise = [{"loss": k, "batches": f"{i} vs {i + 1}", **compare(v[i], v[i + 1])["all"]}
              for k, v in fp32_grads.items() for i in range(len(v) - 1)]
     setup = (f"Model `{cfg.model.name}`, config `{args.config}`: SFT batches of {cfg.sft.batch_size} reference solutions; "
              f"RL batches of {cfg.train.prompts_per_step} prompts x {cfg.rollout.n} responses (<= "
              f"{cfg.rollout.max_new_tokens} tokens, sampled in fp32 at T = {cfg.rollout.temperature}), objective "
              f"`{cfg.algorithm.objective}` {cfg.algorithm.hparams}, random N(0,1) advantages, on-policy. Seed {args.seed}.")
-    result = {**prov, "setup": setup, "modes": list(MODES), "rows": rows, "batch_noise": noise}
+    result = {**prov, "setup": setup, "modes": modes, "rows": rows, "batch_noise": noise}
     write_results(out_dir, "precision_gradients", result, report(result))
 
 

@@ -22,7 +22,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 BENCH = ROOT / "benchmarks"
-HELPERS = {"common.py"}  # imported by the scripts, not a benchmark
+HELPERS = {"common.py", "bf16_rounding.py"}  # imported by the scripts, not benchmarks
 
 # script -> (extra arguments beside --quick and --out, results files it must write into --out)
 QUICK = {
@@ -35,6 +35,7 @@ QUICK = {
     "step_throughput.py": ([], ["step_throughput.json", "step_throughput.md"]),
     "quickstart_seeds.py": (["--seeds", "0", "--runs-dir", "{tmp}/runs", "--set", "eval.num_problems=4"], ["quickstart_seeds.json", "quickstart_seeds.md"]),
     "precision_gradients.py": ([], ["precision_gradients.json", "precision_gradients.md"]),
+    "precision_warmstart.py": ([], ["precision_warmstart.json", "precision_warmstart.md"]),
 }
 
 
