@@ -1,8 +1,7 @@
 """The numerics of ``torch.autocast(dtype=torch.bfloat16)`` at fp32 speed, for CPUs without native bf16.
 
-On an AVX2-only CPU a bf16 matmul runs in a scalar fallback: 85x slower than fp32 for a 1024x576x1536 product and
-185x for the LM head's backward (measured on the AMD EPYC AVX2 machine this was written on), so a bf16 warm-start of
-SmolLM2 would take hours. :class:`Bf16Rounding` reproduces what autocast does to the numbers instead: the ops CPU
+On an AVX2-only CPU a bf16 matmul runs in a slow fallback kernel (results/precision_gradients.md times one against
+fp32 on the machine it ran on), so a bf16 warm-start of SmolLM2 would take hours there. :class:`Bf16Rounding` reproduces what autocast does to the numbers instead: the ops CPU
 autocast runs in bf16 (linear, the matmul family, scaled-dot-product attention) get their floating inputs rounded to
 bf16, compute in float32 (bf16 kernels accumulate in float32 too) and return bf16, so the elementwise ops after them
 (SiLU, the gating product) run in bf16 as under autocast, and a residual add promotes back to float32 as under

@@ -10,7 +10,7 @@ Modes (fp32 master weights throughout, as the trainer keeps them; the LM head as
 * ``fp32``: the reference;
 * ``bf16 (emulated)``: the numerics of ``model.precision: bf16-autocast`` (every matmul in bf16, the LM head's
   included: logits rounded to bf16, then a float32 softmax), computed at fp32 speed by
-  :class:`bf16_rounding.Bf16Rounding`, because on a CPU without native bf16 the real kernels are 85-185x slower;
+  :class:`bf16_rounding.Bf16Rounding`, because on a CPU without native bf16 the real kernels are far slower (the report's matmul table);
 * ``bf16 (emulated), fp32 head``: the same with the LM head's matmul (the logits) in float32;
 * ``bf16-autocast``: the real thing, where bf16 is fast (or with ``--autocast``; ``--quick`` always, on the tiny
   model), so the emulation is checked against it (``vs autocast``).
@@ -59,18 +59,28 @@ def token_stats(model, ids, attn, width: int, mode: str, temperature: float = 1.
         return sequence_token_stats(model, ids, attn, width, temperature, True, fused_head=False)
 
 
-def sft_loss(model, batch, mode: str) -> tuple[torch.Tensor, torch.Tensor]:
+def sft_backward(model, batch, mode: str) -> torch.Tensor:
+    """The warm-start's loss on one batch, backward; its per-token log-probs."""
     ids, attn, mask = batch
     lp, _, _ = token_stats(model, ids, attn, mask.shape[1], mode)  # the warm-start's path
-    return aggregate(-lp, mask, "token-mean"), lp
+    aggregate(-lp, mask, "token-mean").backward()
+    return lp.detach()
 
 
-def rl_loss(model, batch, mode: str, objective, agg: str, temperature: float) -> tuple[torch.Tensor, torch.Tensor]:
+def rl_backward(model, batch, mode: str, objective, agg: str, temperature: float, rows: int = 8) -> torch.Tensor:
+    """The RL loss on one step's rollouts, backward in micro-batches of ``rows`` (the batch's token-mean, exactly,
+    as the trainer accumulates it; a whole 64-row batch's activations do not fit in memory); its log-probs."""
     rb, adv = batch
     mask = rb.response_mask.float()
-    lp, ent, col = token_stats(model, rb.input_ids, rb.attention_mask, rb.response_len, mode, temperature)
-    loss, _ = policy_loss(objective, lp, lp.detach(), adv, mask, agg=agg, entropy=ent, collision=col)
-    return loss, lp
+    out = torch.zeros_like(mask)
+    for s in range(0, mask.shape[0], rows):
+        sl = slice(s, s + rows)
+        lp, ent, col = token_stats(model, rb.input_ids[sl], rb.attention_mask[sl], rb.response_len, mode, temperature)
+        loss, _ = policy_loss(objective, lp, lp.detach(), adv[sl], mask[sl], agg=agg, entropy=ent, collision=col,
+                              num_tokens=mask.sum(), num_seqs=mask.shape[0])
+        loss.backward()
+        out[sl] = lp.detach()
+    return out
 
 
 def group_of(name: str) -> tuple[str, int | None]:
@@ -80,14 +90,13 @@ def group_of(name: str) -> tuple[str, int | None]:
     return short, (int(m.group(1)) if m else None)
 
 
-def gradient(model, loss_fn) -> tuple[dict[str, torch.Tensor], torch.Tensor, float]:
+def gradient(model, backward) -> tuple[dict[str, torch.Tensor], torch.Tensor, float]:
     model.zero_grad(set_to_none=True)
     t0 = time.perf_counter()
-    loss, lp = loss_fn()
-    loss.backward()
+    lp = backward()
     seconds = time.perf_counter() - t0
     grads = {n: p.grad.detach().float().clone() for n, p in model.named_parameters() if p.grad is not None}
-    return grads, lp.detach(), seconds
+    return grads, lp, seconds
 
 
 def compare(g: dict[str, torch.Tensor], ref: dict[str, torch.Tensor]) -> dict:
@@ -114,6 +123,17 @@ def logprob_error(lp: torch.Tensor, ref: torch.Tensor, mask: torch.Tensor) -> di
     return {"mean": float(d.sum() / mask.sum()), "max": float(d.max())}
 
 
+def matmul_seconds(m: int, k: int, n: int, dtype: torch.dtype, repeat: int = 2) -> float:
+    """Best-of-``repeat`` seconds of one ``[m, k] @ [k, n]`` product in ``dtype`` on this machine."""
+    a, b = torch.randn(m, k).to(dtype), torch.randn(k, n).to(dtype)
+    best = float("inf")
+    for _ in range(repeat):
+        t0 = time.perf_counter()
+        a @ b
+        best = min(best, time.perf_counter() - t0)
+    return best
+
+
 def report(result: dict) -> str:
     lines = ["# Gradients under bf16 (autocast's numerics) against fp32", "", f"`{result['command']}`", "",
              provenance_line(result), "", result["setup"], "",
@@ -133,6 +153,10 @@ def report(result: dict) -> str:
                      f"| {c['all']['adam_cos']:.3f} | {worst[0]}: {1 - worst[1]['cos']:.1e} | "
                      f"{r['logprob_err']['mean']:.4f} / {r['logprob_err']['max']:.3f} | "
                      f"{'' if real is None else format(real['rel_err'], '.4f')} | {r['seconds']:.1f} |")
+    lines += ["", "This machine's matmul kernels (why the bf16 modes are emulated where bf16 is not native):", "",
+              "| [m, k] @ [k, n] | fp32 s | bf16 s | bf16 / fp32 |", "|---|---|---|---|"]
+    lines += [f"| {k['shape']} | {k['fp32_s']:.4f} | {k['bf16_s']:.4f} | {k['bf16_s'] / k['fp32_s']:.1f}x |"
+              for k in result.get("matmul", [])]
     lines += ["", "The scale: the fp32 gradients of two different batches of the same kind (minibatch noise).", "",
               "| loss | batches | 1 - cos | rel. err | adam cos |", "|---|---|---|---|---|"]
     lines += [f"| {n['loss']} | {n['batches']} | {1 - n['cos']:.3f} | {n['rel_err']:.3f} | {n['adam_cos']:.3f} |"
@@ -188,18 +212,20 @@ def main() -> None:
             rb = engine.generate([train[i].messages for i in idx], cfg.rollout.n, sampling)
         rl_batches.append((rb, torch.randn(rb.input_ids.shape[0], generator=g)))
 
-    rows, fp32_grads = [], {"SFT": [], "RL": []}
+    rows, noise = [], []  # noise: the fp32 gradients of consecutive batches against each other
     for kind, batches in (("SFT", sft_batches), ("RL", rl_batches)):
         for b, batch in enumerate(batches):
             mask = batch[2] if kind == "SFT" else batch[0].response_mask.float()
             grads_of = {}
             for mode in modes:
-                fn = ((lambda: sft_loss(model, batch, mode)) if kind == "SFT" else
-                      (lambda: rl_loss(model, batch, mode, objective, cfg.algorithm.agg, cfg.rollout.temperature)))
+                fn = ((lambda: sft_backward(model, batch, mode)) if kind == "SFT" else
+                      (lambda: rl_backward(model, batch, mode, objective, cfg.algorithm.agg, cfg.rollout.temperature)))
                 grads_of[mode], lp, seconds = gradient(model, fn)
                 if mode == "fp32":
                     ref_lp = lp
-                    fp32_grads[kind].append(grads_of[mode])
+                    if b:
+                        noise.append({"loss": kind, "batches": f"{b - 1} vs {b}", **compare(prev, grads_of[mode])["all"]})
+                    prev = grads_of[mode]
                 r = {"loss": kind, "batch": b, "mode": mode, "seconds": seconds, "tokens": int(mask.sum()),
                      "vs_fp32": compare(grads_of[mode], grads_of["fp32"]), "logprob_err": logprob_error(lp, ref_lp, mask)}
                 rows.append(r)
@@ -211,13 +237,14 @@ def main() -> None:
                     if r["mode"] in EMULATED:
                         r["vs_autocast"] = compare(grads_of[r["mode"]], grads_of["bf16-autocast"])["all"]
             del grads_of
-    noise = [{"loss": k, "batches": f"{i} vs {i + 1}", **compare(v[i], v[i + 1])["all"]}
-             for k, v in fp32_grads.items() for i in range(len(v) - 1)]
     setup = (f"Model `{cfg.model.name}`, config `{args.config}`: SFT batches of {cfg.sft.batch_size} reference solutions; "
              f"RL batches of {cfg.train.prompts_per_step} prompts x {cfg.rollout.n} responses (<= "
              f"{cfg.rollout.max_new_tokens} tokens, sampled in fp32 at T = {cfg.rollout.temperature}), objective "
              f"`{cfg.algorithm.objective}` {cfg.algorithm.hparams}, random N(0,1) advantages, on-policy. Seed {args.seed}.")
-    result = {**prov, "setup": setup, "modes": modes, "rows": rows, "batch_noise": noise}
+    shapes = [(64, 32, 64)] if args.quick else [(1024, 576, 1536), (256, 49152, 576)]  # an MLP matmul; the LM head's grad
+    matmul = [{"shape": f"[{m}, {k}] @ [{k}, {n}]", "fp32_s": matmul_seconds(m, k, n, torch.float32),
+               "bf16_s": matmul_seconds(m, k, n, torch.bfloat16)} for m, k, n in shapes]
+    result = {**prov, "setup": setup, "modes": modes, "rows": rows, "batch_noise": noise, "matmul": matmul}
     write_results(out_dir, "precision_gradients", result, report(result))
 
 

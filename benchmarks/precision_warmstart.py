@@ -13,8 +13,8 @@ inside the mode's context (:func:`bf16_rounding.precision_context`), then :func:
 In ``fp32`` it is exactly the warm-start of ``cegppo train quickstart train.seed=SEED``, so its accuracy must equal
 the quickstart's "warm-start" figure for that seed (benchmarks/results/quickstart_seeds.json): a check that this
 script measures the product. ``bf16-autocast`` is ``model.precision=bf16-autocast`` itself; on a CPU without native
-bf16 its kernels are 85-185x slower than fp32, so there the ``bf16 (emulated)`` modes stand in for it (same rounding,
-fp32 speed; see bf16_rounding.py). Runs go to ``runs/precision_warmstart/``.
+bf16 its kernels are far slower than fp32 (precision_gradients.md), so there the ``bf16 (emulated)`` modes stand in
+for it (same rounding, fp32 speed; see bf16_rounding.py). Runs go to ``runs/precision_warmstart/``.
 """
 
 from __future__ import annotations

@@ -76,7 +76,7 @@ def test_bf16_autocast_warm_start_reaches_the_fp32_heldout_loss(tiny_data):
 
 
 def test_bf16_emulation_matches_real_autocast(tiny_data):
-    """benchmarks/bf16_rounding.py stands in for bf16 autocast where bf16 kernels are 85-185x slower (AVX2 CPUs):
+    """benchmarks/bf16_rounding.py stands in for bf16 autocast where bf16 kernels are far slower (AVX2 CPUs):
     its gradient must be much closer to real autocast's than fp32's is, and an fp32 LM head must move it away."""
     import sys
     from pathlib import Path
