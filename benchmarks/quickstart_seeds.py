@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import shlex
 import statistics
 import subprocess
@@ -41,9 +42,10 @@ def command(config: str, seed: int, out: Path, extra: list[str]) -> list[str]:
 
 
 def relative(record: dict) -> dict:
-    """A run's provenance with this checkout's path made relative (for runs recorded before :func:`command` did)."""
+    """A run's provenance with the checkout's path made relative (for runs recorded before :func:`command` did)."""
     prov = dict(record.get("provenance") or {})
-    prov["command"] = prov.get("command", "").replace(str(ROOT) + "/", "")
+    # this checkout's path, or another clone's (a seed run from a fresh clone): relative to the repository
+    prov["command"] = re.sub(r"^\S*?/(src/cegppo/)", r"\1", prov.get("command", "").replace(str(ROOT) + "/", ""))
     return {**record, "provenance": prov}
 
 
