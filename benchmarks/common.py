@@ -46,6 +46,14 @@ def write_results(out: Path, name: str, result: dict, text: str) -> None:
     print(text)
 
 
+def spread(values: list[float]) -> dict:
+    """Mean, sample standard deviation (0 for one value), range and the values themselves: a figure over seeds."""
+    import statistics
+
+    return {"values": values, "mean": statistics.fmean(values),
+            "sd": statistics.stdev(values) if len(values) > 1 else 0.0, "min": min(values), "max": max(values)}
+
+
 def load_now() -> float:
     return round(os.getloadavg()[0], 2)
 

@@ -38,7 +38,7 @@ from cegppo.recipes import held_out_eval, warm_start
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bf16_rounding import EMULATED, precision_context  # noqa: E402
-from common import RESULTS, ROOT, provenance, provenance_line, quick_out, write_results  # noqa: E402
+from common import RESULTS, ROOT, provenance, provenance_line, quick_out, spread, write_results  # noqa: E402
 
 QUICK = ["model.name=tiny", "sft.steps=3", "sft.batch_size=4", "data.num_train=64", "data.num_test=4",
          "eval.num_problems=4", "eval.max_new_tokens=8"]
@@ -75,11 +75,6 @@ def run(config: str, mode: str, seed: int, runs_dir: Path, extra: list[str]) -> 
     print(f"{mode:28s} seed {seed}: accuracy {accuracy:.3f}, reference NLL {nll:.4f}, last SFT loss {losses[-1]:.4f} "
           f"({row['wall_s']:.0f} s)", flush=True)
     return row
-
-
-def spread(values: list[float]) -> dict:
-    return {"mean": statistics.fmean(values), "sd": statistics.stdev(values) if len(values) > 1 else 0.0,
-            "values": values}
 
 
 def report(result: dict) -> str:

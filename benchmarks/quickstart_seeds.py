@@ -29,7 +29,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import RESULTS, ROOT, load_now, write_results  # noqa: E402
+from common import RESULTS, ROOT, load_now, spread, write_results  # noqa: E402
 STAGES = ("base", "warm-start", "final")
 QUICK = ["sft.steps=2", "train.steps=2", "data.num_train=32", "data.num_test=8", "eval.num_problems=8",
          "rollout.n=4", "train.prompts_per_step=2", "train.save_every=0", "rollout.max_new_tokens=16"]
@@ -118,11 +118,6 @@ def run_commit(summary: dict) -> str:
     """The short commit a run's summary records, ``-dirty`` when its tree had uncommitted changes."""
     prov = summary.get("provenance") or {}
     return (prov.get("commit") or "unknown")[:7] + ("-dirty" if prov.get("uncommitted_changes") else "")
-
-
-def spread(values: list[float]) -> dict:
-    return {"values": values, "mean": statistics.fmean(values),
-            "sd": statistics.stdev(values) if len(values) > 1 else 0.0, "min": min(values), "max": max(values)}
 
 
 def summarize(runs: list[dict]) -> dict:

@@ -290,7 +290,10 @@ def test_sigint_ends_cegppo_train_in_one_line(tmp_path):
     with open(log_file, "w") as stderr:
         proc = subprocess.Popen([sys.executable, "-m", "cegppo.cli", "train", *CLI_BASE, f"output_dir={run}",
                                  "train.steps=1000", "train.save_every=1"], env=cli_env(), stdout=subprocess.DEVNULL,
-                                stderr=stderr)
+                                stderr=stderr,
+                                # as from a terminal: a suite started in the background (`pytest &`) inherits SIGINT
+                                # ignored, and Python keeps it ignored, so the Ctrl-C would never arrive
+                                preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
         try:
             deadline = time.monotonic() + 240
             while not read_jsonl(run / "metrics.jsonl") and time.monotonic() < deadline and proc.poll() is None:

