@@ -291,7 +291,7 @@ def test_bad_coefficients_are_refused(arg, value):
 def _bad_hparams(key):
     bad = [None, math.nan, math.inf, -math.inf, True, "0.2"] + ([] if key == "clip_cov_lb" else [-1.0])
     if key.startswith("eps"):
-        bad += [0.0, 1.0, 1.5]
+        bad += [0.0, 1.0 + 1e-9, 1.5]
     if key == "clip_ratio_c":
         bad = [v for v in bad if v is not None] + [1.0, 0.5]
     if key.endswith("_ratio") and key != "clip_ratio_c":

@@ -28,6 +28,7 @@ HELPERS = {"common.py", "bf16_rounding.py"}  # imported by the scripts, not benc
 QUICK = {
     "base_accuracy.py": ([], ["base_accuracy.json", "base_accuracy.md"]),
     "entropy_control.py": (["--runs-dir", "{tmp}/runs"], ["entropy_control.json", "entropy_control.md"]),
+    "entropy_regime.py": (["--runs-dir", "{tmp}/runs"], ["entropy_regime.json", "entropy_regime.md"]),
     "generation.py": ([], ["generation.json", "generation.md"]),
     "logits_memory.py": ([], ["logits_memory.json"]),
     "objectives.py": ([], ["objectives.json"]),

@@ -202,7 +202,7 @@ def test_advantage_shapes_equivalent():
     [
         ("ce_gpo", {}, "valid objectives"),
         ("ce_gppo", {"eps_low": 0.0}, "eps_low"),
-        ("ce_gppo", {"eps_high": 1.0}, "eps_high"),
+        ("ce_gppo", {"eps_high": 1.01}, "eps_high"),  # 1 is allowed (no clip on that side)
         ("ce_gppo", {"beta1": -0.1}, "beta1"),
         ("ce_gppo", {"beta2": float("nan")}, "beta2"),
         ("ce_gppo", {"clip_ratio_c": 1.0}, "clip_ratio_c"),
@@ -293,11 +293,11 @@ def _cov_batch(seed: int, B: int = 8, T: int = 40):
     return lp, old, adv, mask
 
 
-def _verl_cov_config(**policy_loss):
+def _verl_cov_config(eps_low: float = 0.2, eps_high: float = 0.2, **policy_loss):
     from verl.workers.config import ActorConfig, PolicyLossConfig
 
     return ActorConfig(strategy="fsdp", rollout_n=1, ppo_micro_batch_size_per_gpu=1, ppo_mini_batch_size=1,
-                       clip_ratio_low=0.2, clip_ratio_high=0.2, policy_loss=PolicyLossConfig(**policy_loss))
+                       clip_ratio_low=eps_low, clip_ratio_high=eps_high, policy_loss=PolicyLossConfig(**policy_loss))
 
 
 @pytest.mark.parametrize("name,hp", [
@@ -306,13 +306,16 @@ def _verl_cov_config(**policy_loss):
     ("clip_cov", {"clip_cov_ratio": 0.5, "clip_cov_lb": 0.5, "clip_cov_ub": 3.0}),  # more candidates than drawn
     ("kl_cov", {}),
     ("kl_cov", {"kl_cov_ratio": 0.1, "ppo_kl_coef": 1.0}),
+    ("clip_cov_paper", {}),  # the authors' settings: verl's loss under their script's config
+    ("kl_cov_paper", {}),
 ])
 def test_cov_objectives_match_verl(name, hp):
     pytest.importorskip("verl")
     from verl.trainer.ppo.core_algos import get_policy_loss_fn
 
     ours = get_objective(name, **hp)
-    verl_fn = get_policy_loss_fn(name)
+    verl_fn = get_policy_loss_fn(name.removesuffix("_paper"))
+    hp = ours.hparams  # every hyperparameter, the preset's included, goes into verl's config
     for seed in range(4):
         lp, old, adv, mask = _cov_batch(seed)
         x_ref, x = lp.clone().requires_grad_(True), lp.clone().requires_grad_(True)
@@ -326,7 +329,8 @@ def test_cov_objectives_match_verl(name, hp):
         torch.testing.assert_close(loss, ref, rtol=1e-12, atol=1e-15)
         torch.testing.assert_close(x.grad, x_ref.grad, rtol=1e-12, atol=1e-15)
         # the selection acted: some masked tokens differ from the plain (unclipped / clipped) surrogate
-        plain = get_objective("ppo_clip").token_loss(lp, old, adv, mask) if name == "clip_cov" else -adv * (lp - old).exp()
+        plain = (get_objective("ppo_clip", eps_low=hp["eps_low"], eps_high=hp["eps_high"]).token_loss(lp, old, adv, mask)
+                 if name.startswith("clip_cov") else -adv * (lp - old).exp())
         assert ((ours.token_loss(lp, old, adv, mask) - plain).abs() * mask).sum() > 0
 
 

@@ -26,7 +26,7 @@ keeps more gradient on positive-advantage tokens past the clip, which raises ent
 *lowers* beta2); our measurements did **not** establish it (0 of 3 contrasts beyond 2 SE), hence off by default.
 
 beta1 is a one-sided lever in practice: at beta1 = 0 CE-GPPO is plain PPO clipping, and entropy still falls by
-itself in most runs (``benchmarks/results/entropy_control.md``). The entropy bonus is the lever that raises it, so
+itself in most runs (``benchmarks/results/entropy_control_issue15.md``). The entropy bonus is the lever that raises it, so
 with ``bonus_gain`` > 0 a negative signal (too little entropy) also adds an entropy bonus ``bonus_gain * |s|``,
 capped at ``bonus_max``: the two levers push the same way, beta1 down and the bonus up (off by default).
 
@@ -59,7 +59,8 @@ from typing import Any
 
 from cegppo.errors import ConfigError
 
-__all__ = ["CONTROLLED_OBJECTIVES", "EntropyControlConfig", "EntropyController", "build_controller",
+__all__ = ["CONTROLLED_OBJECTIVES", "AdaptiveEntropyBonus", "AdaptiveEntropyConfig", "EntropyControlConfig",
+           "EntropyController", "build_adaptive_entropy", "build_controller", "validate_adaptive_entropy",
            "validate_entropy_control"]
 
 CONTROLLED_OBJECTIVES = ("ce_gppo", "gppo")  # the objectives with beta1 / beta2
@@ -227,3 +228,104 @@ def build_controller(cfg: EntropyControlConfig | dict | None, hparams: dict[str,
     if "beta1" not in hparams or "beta2" not in hparams:
         raise ValueError(f"entropy_control needs an objective with beta1/beta2 ({', '.join(CONTROLLED_OBJECTIVES)})")
     return EntropyController(cfg, hparams["beta1"], hparams["beta2"])
+
+
+# ---------------------------------------------------------------------------------------------------------
+# The incumbent: Skywork-OR1's adaptive entropy bonus (TRL's ``use_adaptive_entropy``), a baseline for the autopilot
+# ---------------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class AdaptiveEntropyConfig:
+    """``algorithm.adaptive_entropy`` in the run config (off by default): Skywork-OR1's rule, with TRL 1.16's names
+    (``entropy_coef`` -> ``coef_init``, ``entropy_coef_delta`` -> ``coef_delta``, ``entropy_target`` -> ``target``)."""
+
+    enabled: bool = _key(False)
+    # absolute: nats/token (TRL's entropy_target); relative: a fraction of the first step's measured entropy
+    target: float = _key(0.2, gt=0)
+    target_mode: str = _key("absolute", choices=("relative", "absolute"))
+    coef_init: float = _key(0.0, ge=0)  # the bonus coefficient before the first step (TRL: entropy_coef)
+    coef_delta: float = _key(0.005, ge=0)  # the coefficient's move per step
+    coef_min: float = _key(0.0, ge=0, cross=("coef_max",))
+    coef_max: float = _key(1.0, ge=0, cross=("coef_min",))
+
+
+def validate_adaptive_entropy(cfg: AdaptiveEntropyConfig, autopilot: EntropyControlConfig,
+                              where: str = "algorithm.adaptive_entropy") -> None:
+    """Range checks (on or off); when on, the autopilot must be off (two controllers on one bonus would fight)."""
+
+    def need(ok: bool, key: str, what: str, value: Any) -> None:
+        if not ok:
+            raise ConfigError(f"{where}.{key} must be {what}, got {value!r}")
+
+    def finite(v: Any) -> bool:
+        return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+
+    need(cfg.target_mode in ("relative", "absolute"), "target_mode", "'relative' or 'absolute'", cfg.target_mode)
+    need(finite(cfg.target) and cfg.target > 0, "target", "a number > 0", cfg.target)
+    for key in ("coef_init", "coef_delta"):
+        need(finite(getattr(cfg, key)) and getattr(cfg, key) >= 0, key, "a finite number >= 0", getattr(cfg, key))
+    need(finite(cfg.coef_min) and finite(cfg.coef_max) and 0 <= cfg.coef_min <= cfg.coef_max, "coef_min / coef_max",
+         "finite with 0 <= min <= max", (cfg.coef_min, cfg.coef_max))
+    if cfg.enabled and autopilot.enabled:
+        raise ConfigError(f"{where}: the adaptive entropy bonus and the entropy autopilot (algorithm.entropy_control) "
+                          "are two controllers of the same entropy: enable one of them")
+
+
+class AdaptiveEntropyBonus:
+    """Skywork-OR1's adaptive entropy bonus (He et al. 2025, as ``use_adaptive_entropy`` in TRL 1.16). Once per RL
+    step, from the token-mean entropy ``H`` of the step's rollouts (measured before the updates)::
+
+        coef  = min(coef + delta, coef_max)  if H <= target  else  max(coef - delta, coef_min)
+        bonus = coef if H <= target else 0          # the loss adds -bonus * H
+
+    The coefficient sequence is TRL's for the same entropy sequence (``tests/test_adaptive_entropy.py`` runs TRL's
+    ``GRPOTrainer`` and replays its entropies here). TRL measures the entropy during the update, so it applies the
+    bonus set by step t's entropy at step t + 1; the trainer measures it before the update (as for the autopilot)
+    and applies it at step t. A relative target is ``target`` x the first measured entropy (one too small to set,
+    :data:`MIN_ENTROPY`, leaves everything unchanged, as the autopilot's); ``None``/NaN entropies change nothing.
+    """
+
+    def __init__(self, cfg: AdaptiveEntropyConfig):
+        self.cfg = cfg
+        self.coef = float(cfg.coef_init)
+        self.target: float | None = cfg.target if cfg.target_mode == "absolute" else None
+        self.entropy_coeff = 0.0  # the bonus applied at this step
+        self.updates = 0
+
+    def update(self, entropy: float | None) -> dict[str, float]:
+        """One step; returns ``entropy_coeff`` (the bonus for this step's loss) and the ``control/*`` metrics."""
+        c = self.cfg
+        if entropy is not None and math.isfinite(entropy):
+            if self.target is None and c.target * entropy >= MIN_ENTROPY:
+                self.target = c.target * float(entropy)
+            if self.target is not None:
+                below = entropy <= self.target
+                self.coef = min(self.coef + c.coef_delta, c.coef_max) if below else \
+                    max(self.coef - c.coef_delta, c.coef_min)
+                self.entropy_coeff = self.coef if below else 0.0
+                self.updates += 1
+        return {"entropy_coeff": self.entropy_coeff, **self.metrics()}
+
+    def metrics(self) -> dict[str, float]:
+        out = {"control/entropy_coeff": self.entropy_coeff, "control/adaptive_coef": self.coef}
+        if self.target is not None:
+            out["control/target"] = self.target
+        return out
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"config": asdict(self.cfg), "coef": self.coef, "target": self.target,
+                "entropy_coeff": self.entropy_coeff, "updates": self.updates}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        for key in ("coef", "target", "entropy_coeff", "updates"):
+            setattr(self, key, state[key])
+        if self.cfg.target_mode == "absolute":
+            self.target = self.cfg.target
+
+
+def build_adaptive_entropy(cfg: AdaptiveEntropyConfig | dict | None) -> AdaptiveEntropyBonus | None:
+    """The adaptive bonus ``cfg`` asks for (``None`` when absent or off)."""
+    if isinstance(cfg, dict):
+        cfg = AdaptiveEntropyConfig(**cfg)
+    return AdaptiveEntropyBonus(cfg) if cfg is not None and cfg.enabled else None

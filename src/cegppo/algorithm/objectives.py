@@ -256,6 +256,13 @@ register_objective("clip_cov", clip_cov, dict(eps_low=0.2, eps_high=0.2, clip_co
                                               clip_cov_ub=5.0), doc="Clip-Cov (Cui et al. 2025), verl's defaults")
 register_objective("kl_cov", kl_cov, dict(kl_cov_ratio=2e-4, ppo_kl_coef=0.1),
                    doc="KL-Cov (Cui et al. 2025), verl's defaults; no clip")
+# the settings of the authors' scripts (verl-recipe entropy/, 7b_clip_cov.sh and 7b_kl_cov.sh), as named presets:
+# Clip-Cov there turns PPO's clip off (eps 1 / 1: r clamped to [0, 2] only) and lets the covariance clip do the work
+register_objective("clip_cov_paper", clip_cov, dict(eps_low=1.0, eps_high=1.0, clip_cov_ratio=2e-4, clip_cov_lb=1.0,
+                                                    clip_cov_ub=5.0),
+                   doc="Clip-Cov with the authors' script settings (eps 1 / 1)")
+register_objective("kl_cov_paper", kl_cov, dict(kl_cov_ratio=2e-3, ppo_kl_coef=1.0),
+                   doc="KL-Cov with the authors' script settings (ratio 2e-3, coef 1)")
 register_objective("gspo", gspo, dict(eps_low=3e-4, eps_high=4e-4), default_agg="seq-mean-token-mean",
                    sequence_level=True, doc="GSPO sequence-level ratio")
 
@@ -269,10 +276,10 @@ def check_hparams(name: str, hp: dict[str, Any]) -> None:
     def finite(v: Any) -> bool:
         return isinstance(v, numbers.Real) and not isinstance(v, bool) and math.isfinite(v)
 
-    for key in ("eps_low", "eps_high"):
+    for key in ("eps_low", "eps_high"):  # 1 is allowed: Clip-Cov's authors clip the ratio only to [0, 2]
         v = hp.get(key)
-        if key in hp and not (finite(v) and 0.0 < v < 1.0):
-            raise ValueError(f"{name}: {key} must be a number in (0, 1), got {v!r}")
+        if key in hp and not (finite(v) and 0.0 < v <= 1.0):
+            raise ValueError(f"{name}: {key} must be a number in (0, 1], got {v!r}")
     for key in ("beta1", "beta2"):
         v = hp.get(key)
         if key in hp and not (finite(v) and v >= 0.0):

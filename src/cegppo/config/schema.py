@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from cegppo.algorithm.advantages import ESTIMATORS
-from cegppo.algorithm.entropy_control import EntropyControlConfig
+from cegppo.algorithm.entropy_control import AdaptiveEntropyConfig, EntropyControlConfig
 from cegppo.algorithm.objectives import AGGREGATIONS
 
 
@@ -100,6 +100,7 @@ class AlgorithmConfig:
     entropy_coeff: float = key(0.0, ge=0)  # entropy bonus (off in every CE-GPPO script)
     prob_threshold: float = key(0.5, gt=0, lt=1)  # quadrant split: pi_old(token) >= threshold is "high probability"
     entropy_control: EntropyControlConfig = key(factory=EntropyControlConfig)  # entropy autopilot (off)
+    adaptive_entropy: AdaptiveEntropyConfig = key(factory=AdaptiveEntropyConfig)  # Skywork-OR1 / TRL's adaptive bonus (off)
 
 
 @dataclass

@@ -12,7 +12,7 @@ import typing
 from typing import Any
 
 from cegppo.algorithm.advantages import ESTIMATORS
-from cegppo.algorithm.entropy_control import validate_entropy_control
+from cegppo.algorithm.entropy_control import validate_adaptive_entropy, validate_entropy_control
 from cegppo.algorithm.objectives import AGGREGATIONS, get_objective
 from cegppo.config.schema import (AlgorithmConfig, Config, DataConfig, EvalConfig, ModelConfig, OptimConfig,
                                   RewardConfig, RolloutConfig, SFTConfig, TrainConfig)
@@ -246,6 +246,7 @@ def _algorithm(a: AlgorithmConfig) -> None:
         need(getattr(a, key) >= 0, f"algorithm.{key}", "a finite number >= 0", getattr(a, key))
     need(0 < a.prob_threshold < 1, "algorithm.prob_threshold", "in (0, 1)", a.prob_threshold)
     validate_entropy_control(a.entropy_control, a.objective, a.hparams)
+    validate_adaptive_entropy(a.adaptive_entropy, a.entropy_control)
     need(a.max_num_gen_batches >= 1, "algorithm.max_num_gen_batches", ">= 1", a.max_num_gen_batches)
 
 

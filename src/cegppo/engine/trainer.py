@@ -17,7 +17,7 @@ from torch import Tensor
 
 from cegppo.algorithm.advantages import group_advantages, mixed_groups, overlong_penalty
 from cegppo.algorithm.diagnostics import MetricAccumulator
-from cegppo.algorithm.entropy_control import build_controller
+from cegppo.algorithm.entropy_control import build_adaptive_entropy, build_controller
 from cegppo.algorithm.logprobs import fused_head_supported
 from cegppo.algorithm.objectives import get_objective
 from cegppo.algorithm.policy_loss import policy_loss
@@ -62,6 +62,7 @@ class Trainer:
         configure_torch(cfg.train)
         self.objective = get_objective(cfg.algorithm.objective, **cfg.algorithm.hparams)
         self.controller = build_controller(cfg.algorithm.entropy_control, self.objective.hparams)  # entropy autopilot
+        self.adaptive_bonus = build_adaptive_entropy(cfg.algorithm.adaptive_entropy)  # Skywork-OR1's rule
         self.reward_fn = build_reward(cfg.reward.fn, cfg.reward)
         self.train_problems, self.test_problems = load_splits(cfg)
         check_data(cfg, self.train_problems, self.test_problems)  # before any model loads
@@ -86,6 +87,8 @@ class Trainer:
             log.info("resumed from %s at step %d", resume_from, self.state["step"])
         if self.controller is not None and "entropy_control" in self.state:
             self.controller.load_state_dict(self.state["entropy_control"])
+        if self.adaptive_bonus is not None and "adaptive_entropy" in self.state:
+            self.adaptive_bonus.load_state_dict(self.state["adaptive_entropy"])
         self.state["run_id"] = run_id  # kept in every checkpoint: pruning only touches this run's
         self.state["config"] = cfg.to_dict()  # the config in force, compared on the next --resume
         self.run.truncate_logs(self.state["step"], resumed=resume_from is not None)
@@ -119,8 +122,8 @@ class Trainer:
             self.model.train()
             mini_batches = torch.arange(len(exp.rewards)).tensor_split(cfg.train.mini_batches) * cfg.train.ppo_epochs
             # the first mini-batch is still on-policy: its loss pass gives its old log-probs and entropy, so the
-            # separate pass covers only the rest (all of it when the autopilot needs the entropy before any update)
-            on_policy_first = cfg.train.ppo_epochs == 1 and self.controller is None
+            # separate pass covers only the rest (all of it when a controller needs the entropy before any update)
+            on_policy_first = cfg.train.ppo_epochs == 1 and self.controller is None and self.adaptive_bonus is None
             fresh = mini_batches[0] if on_policy_first else torch.empty(0, dtype=torch.long)
             self.progress.phase("old log-probs")
             entropy = self.old_log_probs(exp, skip=fresh)  # [entropy sum, tokens] of the rows it covered
@@ -143,7 +146,12 @@ class Trainer:
     def steer(self, entropy: Tensor) -> dict:
         """Entropy autopilot (``algorithm.entropy_control``): update the controller from the rollouts' entropy
         (``[sum, tokens]``, :func:`entropy_sum`), rebuild the objective with its betas (its entropy bonus is read by
-        :meth:`entropy_coeff`), keep its state for the checkpoint; returns the ``control/*`` metrics."""
+        :meth:`entropy_coeff`), keep its state for the checkpoint; returns the ``control/*`` metrics. The adaptive
+        entropy bonus (``algorithm.adaptive_entropy``) is updated the same way."""
+        if self.adaptive_bonus is not None:
+            out = self.adaptive_bonus.update(entropy_mean(entropy))
+            self.state["adaptive_entropy"] = self.adaptive_bonus.state_dict()
+            return {k: v for k, v in out.items() if k.startswith("control/")}
         if self.controller is None:
             return {}
         out = self.controller.update(entropy_mean(entropy))
@@ -153,8 +161,10 @@ class Trainer:
         return {k: v for k, v in out.items() if k.startswith("control/")}
 
     def entropy_coeff(self) -> float:
-        """The entropy-bonus coefficient of this step's loss: the configured one plus the autopilot's bonus lever."""
-        return self.cfg.algorithm.entropy_coeff + (self.controller.entropy_coeff if self.controller else 0.0)
+        """The entropy-bonus coefficient of this step's loss: the configured one plus the autopilot's bonus lever or
+        the adaptive bonus."""
+        control = self.controller or self.adaptive_bonus
+        return self.cfg.algorithm.entropy_coeff + (control.entropy_coeff if control else 0.0)
 
     def collect(self, step: int) -> tuple[Experience | None, dict]:
         """Generate, grade and compute advantages; with dynamic sampling keep only mixed-reward groups,
