@@ -182,7 +182,8 @@ def cegppo_worker(s: dict, workdir: Path, overrides: list[str]) -> dict:
         steps.append(dict(step_s=total, generate_s=clock["collect"], update_s=clock["update"],
                           old_logp_s=total - clock["collect"] - clock["update"],
                           generated_tokens=generated_tokens(cfg, row), trained_tokens=clock["trained"],
-                          mean_response_length=row["response_length/mean"]))
+                          mean_response_length=row["response_length/mean"],
+                          decode_steps=row["response_length/max"]))  # the longest response: generate's steps
     tr.close()
     return dict(steps=steps, **peak_memory(s), **memory.result())
 
@@ -215,7 +216,8 @@ def trl_worker(s: dict, workdir: Path, overrides: list[str]) -> dict:
             memory.phase = "updates"
             g, mask = gens[-1], out["completion_mask"]
             g.update(generate_s=time.perf_counter() - t0 - g["old_logp_s"], tokens=float(mask.sum()),
-                     mean_response_length=float(mask.sum()) / mask.shape[0])
+                     mean_response_length=float(mask.sum()) / mask.shape[0],
+                     decode_steps=float(mask.sum(-1).max()))  # the longest completion: generate's steps
             return out
 
         def _get_per_token_logps_and_entropies(self, *a, **kw):
@@ -255,7 +257,8 @@ def trl_worker(s: dict, workdir: Path, overrides: list[str]) -> dict:
     trainer.train()
     steps = [dict(step_s=b - a, generate_s=g["generate_s"], old_logp_s=g["old_logp_s"],
                   update_s=b - a - g["generate_s"] - g["old_logp_s"], generated_tokens=g["tokens"],
-                  trained_tokens=g["tokens"], mean_response_length=g["mean_response_length"])
+                  trained_tokens=g["tokens"], mean_response_length=g["mean_response_length"],
+                  decode_steps=g["decode_steps"])
              for a, b, g in zip(marks, marks[1:], gens)]
     return dict(steps=steps, **peak_memory(s), **memory.result())
 

@@ -32,6 +32,7 @@ QUICK = {
     "generation.py": ([], ["generation.json", "generation.md"]),
     "logits_memory.py": ([], ["logits_memory.json"]),
     "objectives.py": ([], ["objectives.json"]),
+    "roofline.py": ([], ["roofline.json", "roofline.md"]),
     "reproduce_entropy.py": ([], ["entropy_dynamics.json", "entropy_dynamics.md"]),
     "step_throughput.py": ([], ["step_throughput.json", "step_throughput.md"]),
     "quickstart_seeds.py": (["--seeds", "0", "--runs-dir", "{tmp}/runs", "--set", "eval.num_problems=4"], ["quickstart_seeds.json", "quickstart_seeds.md"]),
