@@ -96,20 +96,32 @@ class EntropyControlConfig:
     bonus_max: float = _key(0.05, ge=0)  # the largest entropy-bonus coefficient it may apply
 
 
+def _finite(v: Any) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+
+
+def _need(where: str, ok: bool, key: str, what: str, value: Any) -> None:
+    if not ok:
+        raise ConfigError(f"{where}.{key} must be {what}, got {value!r}")
+
+
+def _check_target(cfg: Any, where: str) -> None:
+    """``target_mode`` and ``target``, shared by both controllers' configs."""
+    _need(where, cfg.target_mode in ("relative", "absolute"), "target_mode", "'relative' or 'absolute'",
+          cfg.target_mode)
+    _need(where, _finite(cfg.target) and cfg.target > 0, "target", "a number > 0", cfg.target)
+
+
 def validate_entropy_control(cfg: EntropyControlConfig, objective: str, hparams: dict[str, Any],
                              where: str = "algorithm.entropy_control") -> None:
     """Range checks (on or off), and when on, that the objective has betas the controller can move (raises
     ``ConfigError``)."""
 
     def need(ok: bool, key: str, what: str, value: Any) -> None:
-        if not ok:
-            raise ConfigError(f"{where}.{key} must be {what}, got {value!r}")
+        _need(where, ok, key, what, value)
 
-    def finite(v: Any) -> bool:
-        return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
-
-    need(cfg.target_mode in ("relative", "absolute"), "target_mode", "'relative' or 'absolute'", cfg.target_mode)
-    need(finite(cfg.target) and cfg.target > 0, "target", "a number > 0", cfg.target)
+    finite = _finite
+    _check_target(cfg, where)
     need(finite(cfg.band) and 0 <= cfg.band < 1, "band", "in [0, 1)", cfg.band)
     for key in ("kp", "ki"):
         need(finite(getattr(cfg, key)) and getattr(cfg, key) >= 0, key, "a finite number >= 0", getattr(cfg, key))
@@ -253,20 +265,12 @@ class AdaptiveEntropyConfig:
 def validate_adaptive_entropy(cfg: AdaptiveEntropyConfig, autopilot: EntropyControlConfig,
                               where: str = "algorithm.adaptive_entropy") -> None:
     """Range checks (on or off); when on, the autopilot must be off (two controllers on one bonus would fight)."""
-
-    def need(ok: bool, key: str, what: str, value: Any) -> None:
-        if not ok:
-            raise ConfigError(f"{where}.{key} must be {what}, got {value!r}")
-
-    def finite(v: Any) -> bool:
-        return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
-
-    need(cfg.target_mode in ("relative", "absolute"), "target_mode", "'relative' or 'absolute'", cfg.target_mode)
-    need(finite(cfg.target) and cfg.target > 0, "target", "a number > 0", cfg.target)
+    _check_target(cfg, where)
     for key in ("coef_init", "coef_delta"):
-        need(finite(getattr(cfg, key)) and getattr(cfg, key) >= 0, key, "a finite number >= 0", getattr(cfg, key))
-    need(finite(cfg.coef_min) and finite(cfg.coef_max) and 0 <= cfg.coef_min <= cfg.coef_max, "coef_min / coef_max",
-         "finite with 0 <= min <= max", (cfg.coef_min, cfg.coef_max))
+        v = getattr(cfg, key)
+        _need(where, _finite(v) and v >= 0, key, "a finite number >= 0", v)
+    _need(where, _finite(cfg.coef_min) and _finite(cfg.coef_max) and 0 <= cfg.coef_min <= cfg.coef_max,
+          "coef_min / coef_max", "finite with 0 <= min <= max", (cfg.coef_min, cfg.coef_max))
     if cfg.enabled and autopilot.enabled:
         raise ConfigError(f"{where}: the adaptive entropy bonus and the entropy autopilot (algorithm.entropy_control) "
                           "are two controllers of the same entropy: enable one of them")
