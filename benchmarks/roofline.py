@@ -17,7 +17,9 @@ recorded sizes (sequences, mean prompt and response length, the decode steps of 
 - **generation** (HF ``generate``): a prefill of the prompts, then one decode step per generated position, each
   reading every weight once and the KV cache so far, and doing 2 x params FLOPs per sequence. Its limit is, per
   decode step, the larger of bytes / bandwidth and FLOPs / decode-shaped peak;
-- **old log-probs**: one forward over prompt + response (LM head on response tokens only): FLOPs / peak;
+- **old log-probs**: one forward over prompt + response (LM head on response tokens only): FLOPs / peak. cegppo's
+  trainer takes the first mini-batch's old log-probs from its own loss pass (it is still on-policy), so its separate
+  pass covers only the other mini-batches' rows (``1 - 1 / mini_batches`` of them); TRL's covers every row;
 - **update**: forward + backward = 3 x the forward, plus one more forward of the body when gradient checkpointing
   recomputes it (cegppo with ``model.gradient_checkpointing=true``; TRL by default): FLOPs / peak.
 
@@ -105,8 +107,10 @@ def forward_flops(m: dict, seqs: float, prompt: float, response: float, head_tok
     return 2 * m["body_params"] * tokens + 2 * m["head_params"] * head_tokens + attention
 
 
-def analyse(step: dict, s: dict, m: dict, limits: dict, prompt: float, checkpointing: bool) -> dict:
-    """Per phase: work, time at the limit, measured time, share. ``step``: the mean of a system's timed steps."""
+def analyse(step: dict, s: dict, m: dict, limits: dict, prompt: float, checkpointing: bool,
+            old_logp_rows: float) -> dict:
+    """Per phase: work, time at the limit, measured time, share. ``step``: the mean of a system's timed steps;
+    ``old_logp_rows``: the share of the rows the old-log-prob pass covers."""
     seqs, resp = s["prompts"] * s["n"], step["mean_response_length"]
     decode_steps = step.get("decode_steps") or s["max_new_tokens"]  # older results: the bound
     bytes_per = 2 if limits["dtype"] == "bf16" else 4
@@ -127,8 +131,8 @@ def analyse(step: dict, s: dict, m: dict, limits: dict, prompt: float, checkpoin
         "generate": dict(measured_s=step["generate_s"], limit_s=gen_time, gflop=(gen_flops + prefill) / 1e9,
                          gbyte=gen_bytes / 1e9, decode_steps=decode_steps, memory_s=mem_time, compute_s=compute_time,
                          bound="memory" if mem_time > compute_time else "compute"),
-        "old_logp": dict(measured_s=step["old_logp_s"], limit_s=fwd / limits["matmul_flops"], gflop=fwd / 1e9,
-                         bound="compute"),
+        "old_logp": dict(measured_s=step["old_logp_s"], limit_s=old_logp_rows * fwd / limits["matmul_flops"],
+                         gflop=old_logp_rows * fwd / 1e9, rows=old_logp_rows, bound="compute"),
         "update": dict(measured_s=step["update_s"], limit_s=upd / limits["matmul_flops"], gflop=upd / 1e9,
                        bound="compute", recomputed=checkpointing),
     }
@@ -137,6 +141,11 @@ def analyse(step: dict, s: dict, m: dict, limits: dict, prompt: float, checkpoin
         r["achieved_gflop_s"] = r["gflop"] / r["measured_s"] if r["measured_s"] > 0 else float("nan")
     rows["generate"]["achieved_gbyte_s"] = rows["generate"]["gbyte"] / step["generate_s"]
     return rows
+
+
+def old_logp_rows(system: dict, s: dict) -> float:
+    """cegppo's first mini-batch takes its old log-probs from its loss pass (one epoch, no entropy controller)."""
+    return 1.0 - 1.0 / s["mini_batches"] if system["kind"] == "cegppo" else 1.0
 
 
 def checkpointed(system: dict) -> bool:
@@ -206,7 +215,8 @@ def main() -> None:
     systems = {x["label"]: x for x in step["systems"]}
     phases = {}
     for label, summ in step["summary"].items():
-        phases[label] = analyse(summ, s, m, limits, prompt, checkpointed(systems[label]))
+        phases[label] = analyse(summ, s, m, limits, prompt, checkpointed(systems[label]),
+                                old_logp_rows(systems[label], s))
     result = dict(**provenance("roofline.py", limits["dtype"]), limits=limits, model=m, prompt_tokens=prompt,
                   settings=s, step_file=str(step_file.relative_to(ROOT) if step_file.is_relative_to(ROOT) else step_file),
                   step_commit=step.get("commit"), step_cpu=f"{there.get('cpu')} ({there.get('isa')})", phases=phases)
