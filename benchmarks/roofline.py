@@ -197,7 +197,8 @@ def main() -> None:
     step_file = args.step
     if step_file is None:  # measure the phases now: one round, both systems, checkpointing for both
         step_out = out / "roofline_step"
-        cmd = [sys.executable, str(ROOT / "benchmarks" / "step_throughput.py"), "--out", str(step_out)]
+        rel = step_out.relative_to(ROOT) if step_out.is_relative_to(ROOT) else step_out  # a command other clones can run
+        cmd = [sys.executable, str(ROOT / "benchmarks" / "step_throughput.py"), "--out", str(rel)]
         cmd += ["--quick"] if args.quick else ["--rounds", "1", "--steps", "2", "--variant",
                                                "ckpt=model.gradient_checkpointing=true"]
         subprocess.run(cmd, check=True, cwd=ROOT, capture_output=True, text=True)
