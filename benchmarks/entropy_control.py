@@ -1,7 +1,7 @@
 """Entropy autopilot against the entropy controls users already have (issues 15 and 24).
 
     python benchmarks/entropy_control.py --seeds 0 1 2 ...     # the setting's flags: see --help and the results
-    python benchmarks/entropy_control.py --quick               # smoke test: tiny model, 4 runs of 2 steps, 1 seed
+    python benchmarks/entropy_control.py --quick               # smoke test: tiny model, 5 runs of 2 steps, 1 seed
     python benchmarks/entropy_control.py --from-json benchmarks/results/entropy_control.json   # report only
     python benchmarks/entropy_control.py --resume ...          # after an interruption: keep the runs that finished
 

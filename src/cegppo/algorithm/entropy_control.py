@@ -53,6 +53,7 @@ resumed run continues exactly.
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import asdict, dataclass, field
 from typing import Any
@@ -117,10 +118,7 @@ def validate_entropy_control(cfg: EntropyControlConfig, objective: str, hparams:
     """Range checks (on or off), and when on, that the objective has betas the controller can move (raises
     ``ConfigError``)."""
 
-    def need(ok: bool, key: str, what: str, value: Any) -> None:
-        _need(where, ok, key, what, value)
-
-    finite = _finite
+    need, finite = functools.partial(_need, where), _finite
     _check_target(cfg, where)
     need(finite(cfg.band) and 0 <= cfg.band < 1, "band", "in [0, 1)", cfg.band)
     for key in ("kp", "ki"):
