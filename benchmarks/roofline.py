@@ -14,9 +14,11 @@ Limits, measured here in the precision the step ran in (torch's default threads)
 The work of each phase, from the model's shape (the config's hidden size, layers, heads, vocabulary) and the step's
 recorded sizes (sequences, mean prompt and response length, the decode steps of the longest response):
 
-- **generation** (HF ``generate``): a prefill of the prompts, then one decode step per generated position, each
-  reading every weight once and the KV cache so far, and doing 2 x params FLOPs per sequence. Its limit is, per
-  decode step, the larger of bytes / bandwidth and FLOPs / decode-shaped peak;
+- **generation** (HF ``generate``): a prefill of each distinct prompt, once (its n samples need its keys and values,
+  not n computations of them: cegppo's engine shares it, TRL's ``generate`` on the n copies does not), then one
+  decode step per generated position, each reading every weight once and the KV cache so far, and doing
+  2 x params FLOPs per sequence. Its limit is, per decode step, the larger of bytes / bandwidth and FLOPs /
+  decode-shaped peak;
 - **old log-probs**: one forward over prompt + response (LM head on response tokens only): FLOPs / peak. cegppo's
   trainer takes the first mini-batch's old log-probs from its own loss pass (it is still on-policy), so its separate
   pass covers only the other mini-batches' rows (``1 - 1 / mini_batches`` of them); TRL's covers every row;
@@ -122,7 +124,7 @@ def analyse(step: dict, s: dict, m: dict, limits: dict, prompt: float, checkpoin
         mem, compute = (weights + kv) / limits["stream_bytes_s"], flops / limits["decode_matmul_flops"]
         gen_time, mem_time, compute_time = gen_time + max(mem, compute), mem_time + mem, compute_time + compute
         gen_flops, gen_bytes = gen_flops + flops, gen_bytes + weights + kv
-    prefill = forward_flops(m, seqs, prompt, 0, seqs)
+    prefill = forward_flops(m, s["prompts"], prompt, 0, s["prompts"])  # once per distinct prompt
     gen_time += prefill / limits["matmul_flops"]
     fwd = forward_flops(m, seqs, prompt, resp, seqs * resp)
     recompute = forward_flops(m, seqs, prompt, resp, 0) if checkpointing else 0.0  # the body again, not the head

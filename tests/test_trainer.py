@@ -65,8 +65,12 @@ def test_micro_batch_invariance_of_the_update(tiny_config, tmp_path, smaller):
             train_loop(tr)
             params.append(torch.cat([p.detach().flatten() for p in tr.model.parameters()]))
     # AdamW moves each weight by at most lr (1e-3) per step: 1e-5 is 1% of one update. Float sums grouped
-    # differently (16 vs 3 rows) can move a near-zero gradient's normalised update by ~1e-6.
-    torch.testing.assert_close(params[0], params[1], rtol=1e-5, atol=1e-5)
+    # differently (16 vs 3 rows) move a normalised update by ~1e-6, but AdamW's first step divides each gradient
+    # by its own size (+ eps 1e-8), so a weight whose gradient is near eps can move by a few % of lr: seen on 1
+    # weight of 801,792. Every weight within 10% of one update, all but 1 in 10^5 within 1%.
+    diff = (params[0] - params[1]).abs()
+    assert diff.max() < 1e-4, float(diff.max())
+    assert (diff > 1e-5).sum() <= diff.numel() // 100_000, int((diff > 1e-5).sum())
 
 
 def test_dynamic_sampling_keeps_only_mixed_groups(tiny_config):
