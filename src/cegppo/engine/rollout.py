@@ -209,9 +209,13 @@ def _empty_copy(model: torch.nn.Module) -> torch.nn.Module:
 
 
 class HFRollout:
-    """Hugging Face ``generate`` (KV cache, batched, left padding) in ``dtype``. ``copy=None``: on a copy of the
-    policy when ``dtype`` differs from the policy's, else on the policy itself; ``copy=True``: always a copy;
-    ``copy=False``: the policy itself, cast in place (for callers that only generate, like ``cegppo eval``).
+    """Hugging Face ``generate`` (batched, left padding) in ``dtype``, with one prefill per prompt shared by its
+    samples, a static KV cache and inverse-CDF sampling (:meth:`_prefill`, :class:`_InverseCDFSampler`; measured
+    in docs/speed.md).
+
+    ``copy=None``: on a copy of the policy when ``dtype`` differs from the policy's, else on the policy itself;
+    ``copy=True``: always a copy; ``copy=False``: the policy itself, cast in place (for callers that only
+    generate, like ``cegppo eval``).
 
     A copy holds its weights only while it generates (``release=True``, the default): each :meth:`generate` casts
     the policy's current weights into it and frees them afterwards, so the updates never hold a second copy of the
@@ -230,9 +234,11 @@ class HFRollout:
         self.model = (_empty_copy(policy) if released else deepcopy(policy) if copy else policy).to(dtype)
         self.eos = eos_ids(tokenizer, policy)
         self.policy = policy if released else None  # where a released copy takes its weights from
-        # the KV cache's keyword: ``cache`` since transformers 5.2x, ``past_key_values`` before (the vLLM and verl
-        # extras pin older releases)
-        self._cache_kw = "cache" if "cache" in inspect.signature(self.model.forward).parameters else "past_key_values"
+        # the prefill's keywords: the KV cache is ``cache`` since transformers 5.2x, ``past_key_values`` before (the
+        # vLLM and verl extras pin older releases); logits for the last position only, where the model allows it
+        accepts = inspect.signature(self.model.forward).parameters
+        self._cache_kw = "cache" if "cache" in accepts else "past_key_values"
+        self._last_logits = {"logits_to_keep": 1} if "logits_to_keep" in accepts else {}
 
     @torch.no_grad()
     def sync(self, policy: torch.nn.Module) -> None:
@@ -265,7 +271,7 @@ class HFRollout:
         positions = (mask.cumsum(-1) - 1).masked_fill(mask == 0, 0)
         prefix = DynamicCache(config=self.model.config)
         self.model(input_ids=prompt_ids[:, :-1], attention_mask=mask, position_ids=positions, use_cache=True,
-                   logits_to_keep=1, **{self._cache_kw: prefix})
+                   **self._last_logits, **{self._cache_kw: prefix})
         cache = StaticCache(config=self.model.config, max_cache_len=prompt_ids.shape[1] + max_new_tokens)
         for i, layer in enumerate(prefix.layers):
             cache.update(layer.keys.repeat_interleave(n, 0), layer.values.repeat_interleave(n, 0), i)
@@ -288,7 +294,8 @@ class HFRollout:
             kwargs["logits_processor"] = LogitsProcessorList(sampling_processors(sampling))
         if on_token is not None:
             kwargs["streamer"] = _TokenCounter(on_token, sampling.max_new_tokens)
-        per_call = max(1, self.max_batch // n)  # prompts per generate call: a prompt's samples stay together
+        # prompts per generate call: a prompt's samples stay together (in one call of n rows when n > max_batch)
+        per_call = max(1, self.max_batch // n)
         outs, training, device = [], self.model.training, next(self.model.parameters()).device
         self.model.eval()  # the policy itself may be in training mode (dropout)
         self._hold(True)
