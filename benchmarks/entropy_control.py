@@ -258,11 +258,15 @@ def verdicts(summary: list[dict], noise: list[dict] | None = None) -> list[str]:
                          f"{ratio:.2f} -> goal (<= 1/2) {'MET' if ratio <= 1 / 2 else 'NOT MET'}.")
             if grpo is not None:
                 d = auto["accuracy"] - grpo["accuracy"]
-                se = math.sqrt(sum(x ** 2 for x in (auto["accuracy_se"], grpo["accuracy_se"]) if not math.isnan(x)))
-                ok = d >= -se if se > 0 else d >= 0
-                lines.append(f"Target {name}: held-out accuracy {auto['label']} {fmt(auto['accuracy'], auto['accuracy_se'])} "
-                             f"vs GRPO {fmt(grpo['accuracy'], grpo['accuracy_se'])} (difference {d:+.3f}, combined SE "
-                             f"{se:.3f}) -> not below GRPO beyond one SE: {'MET' if ok else 'NOT MET'}.")
+                ses = (auto["accuracy_se"], grpo["accuracy_se"])
+                head = (f"Target {name}: held-out accuracy {auto['label']} {fmt(auto['accuracy'], ses[0])} vs GRPO "
+                        f"{fmt(grpo['accuracy'], ses[1])} (difference {d:+.3f}")
+                if any(math.isnan(x) for x in ses):  # one seed: no SE to judge by
+                    lines.append(head + ") -> not judged: an SE needs >= 2 seeds of each.")
+                else:
+                    se = math.hypot(*ses)
+                    lines.append(head + f", combined SE {se:.3f}) -> not below GRPO beyond one SE: "
+                                 f"{'MET' if d >= -se else 'NOT MET'}.")
         if not math.isnan(floor):
             lines.append(f"Target {name}: the goal asks for a tracking error <= {b / 2:.3f}; the measurement noise alone "
                          f"(relative to the entropy) gives a perfect tracker ~{floor:.3f} -> the goal is "
