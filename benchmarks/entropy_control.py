@@ -299,10 +299,11 @@ def plot(runs: list[dict], out: Path) -> str:
             if r["target"] == name:
                 for key, marker in (("beta1", "o"), ("beta2", "s")):
                     pts = [(s, b) for s, b in zip(r["steps"], r[key]) if b is not None]
-                    bx.plot([p[0] for p in pts], [p[1] for p in pts], color=colors[r["label"]], ls=styles[r["seed"]],
-                            marker=marker, ms=3, label=f"{key} (seed {r['seed']})")
-                pts = [(s, c) for s, c in zip(r["steps"], r.get("entropy_coeff") or []) if c]
-                if pts:  # the bonus lever, on its own scale
+                    if pts:  # the adaptive bonus steers no beta
+                        bx.plot([p[0] for p in pts], [p[1] for p in pts], color=colors[r["label"]],
+                                ls=styles[r["seed"]], marker=marker, ms=3, label=f"{r['label']}: {key} (seed {r['seed']})")
+                pts = [(s, c) for s, c in zip(r["steps"], r.get("entropy_coeff") or []) if c is not None]
+                if any(c for _, c in pts):  # the bonus lever, on its own scale (its zeros included)
                     cx = twins[col] if col in twins else twins.setdefault(col, bx.twinx())
                     cx.plot([p[0] for p in pts], [p[1] for p in pts], color=colors[r["label"]], ls=styles[r["seed"]],
                             marker="^", ms=3, alpha=0.7)
@@ -317,7 +318,8 @@ def plot(runs: list[dict], out: Path) -> str:
         ax.set(title=f"target: {name} of the first step's entropy (grey: target +- {band:.0%})",
                ylabel="entropy (nats/token)")
         bx.set(xlabel="RL step", ylabel="autopilot β (o, s)")
-        bx.legend(fontsize=7, loc="best")
+        if bx.get_legend_handles_labels()[0]:
+            bx.legend(fontsize=7, loc="best")
     handles = {}
     for ax in axes[0]:
         for h, lab in zip(*ax.get_legend_handles_labels()):
