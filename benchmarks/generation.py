@@ -9,7 +9,8 @@ The work is one step of ``benchmarks/step_throughput.py``: 8 arithmetic prompts 
 <= 64 new tokens, through :class:`cegppo.engine.rollout.HFRollout` and :class:`cegppo.engine.vllm_rollout.VLLMRollout`
 (the trainer's engines), and through plain ``generate(do_sample=True)`` on each prompt repeated n times (what
 TRL's GRPO trainer does, and what ``HFRollout`` did before it shared each prompt's prefill and drew its samples by
-inverse CDF), alternating, after one warm-up batch each. Tokens counted are response tokens through the first EOS. Where vLLM is not installed, only HF ``generate`` is measured (and the report says so). Writes
+inverse CDF), alternating, after one warm-up batch each. Tokens counted are response tokens through the first
+EOS. Where vLLM is not installed, only the two HF engines are measured (and the report says so). Writes
 ``generation.{json,md}`` to ``--out`` with the commit, the command, the date and the machine.
 """
 
@@ -87,8 +88,8 @@ def main() -> None:
         init["vllm"] = time.perf_counter() - t0
     sampling = Sampling(1.0, 1.0, 0, args.max_new_tokens)
     rows = []
+    order = ("hf-generate", "hf", "vllm")
     for rnd, prompts in enumerate(batches):  # round 0 is the warm-up
-        order = ("hf-generate", "hf", "vllm")
         for name in [e for e in (order if rnd % 2 == 0 else order[::-1]) if e in engines]:
             torch.manual_seed(rnd)
             t0 = time.perf_counter()

@@ -301,10 +301,12 @@ class HFRollout:
         self._hold(True)
         try:
             for s in range(0, unique_ids.shape[0], per_call):
-                ids, mask = unique_ids[s : s + per_call].to(device), unique_mask[s : s + per_call].to(device)
-                cache = self._prefill(ids, mask, n, sampling.max_new_tokens) if ids.shape[1] > 1 else {}
-                ids, mask = ids.repeat_interleave(n, 0), mask.repeat_interleave(n, 0)
-                out = self.model.generate(input_ids=ids, attention_mask=mask, **cache, **kwargs)
+                unique = slice(s, s + per_call)
+                cache = (self._prefill(unique_ids[unique].to(device), unique_mask[unique].to(device), n,
+                                       sampling.max_new_tokens) if unique_ids.shape[1] > 1 else {})
+                rows = slice(s * n, (s + per_call) * n)  # the n copies of those prompts
+                out = self.model.generate(input_ids=prompt_ids[rows].to(device),
+                                          attention_mask=prompt_mask[rows].to(device), **cache, **kwargs)
                 outs.append(out[:, prompt_ids.shape[1] :].cpu())  # a batch lives on the host; the trainer moves it
         finally:
             self._hold(False)
