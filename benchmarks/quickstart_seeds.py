@@ -104,6 +104,7 @@ def run_seed(config: str, seed: int, out: Path, extra: list[str], rerun: bool) -
         return done
     cmd = command(config, seed, out, extra) + (["--overwrite"] if out.exists() else [])
     print(f"seed {seed}: {shlex.join(cmd[1:])}", flush=True)
+    load_file(out).parent.mkdir(parents=True, exist_ok=True)  # the sampler writes before the run makes its dir
     sampler = LoadSampler(load_file(out))
     sampler.start()
     try:
