@@ -4,6 +4,7 @@
     python benchmarks/entropy_control.py --quick               # smoke test: tiny model, 5 runs of 2 steps, 1 seed
     python benchmarks/entropy_control.py --from-json benchmarks/results/entropy_control.json   # report only
     python benchmarks/entropy_control.py --resume ...          # after an interruption: keep the runs that finished
+    python benchmarks/entropy_control.py --restore benchmarks/results/entropy_control.json --resume ...  # fresh clone
 
 The setting: the bundled SmolLM2-135M-Instruct, policy softmax(logits / T) for sampling and training, fp32 master
 weights (``model.precision=auto``), additions a + b (2..12) graded leniently (+1/-1), ``--prompts`` x ``--n``
@@ -143,6 +144,18 @@ def trainer_overrides(conf: dict, seed: int, sz: dict, args, data_dir: Path, run
 
 def run_name(label: str, seed: int) -> str:
     return f"{label.replace(' ', '_').replace('%', 'pct')}-seed{seed}"
+
+
+def restore_records(result: dict, runs_dir: Path) -> None:
+    """Each run (and noise measurement) of a results file as the record ``--resume`` / ``--collect`` keep; an
+    existing record is left alone."""
+    records = [(run_name(r["label"], r["seed"]), r) for r in result["runs"]]
+    records += [(f"noise-seed{n['seed']}", n) for n in result.get("noise") or []]
+    for name, record in records:
+        path = runs_dir / f"{name}.record.json"
+        if not path.exists():
+            atomic_write_json(path, record)
+            print(f"restored {path}", flush=True)
 
 
 def measure_noise(conf: dict, seed: int, sz: dict, args, data_dir: Path, runs_dir: Path, commit: str) -> dict:
@@ -415,6 +428,9 @@ def main() -> None:
                     help="keep the records of runs an interrupted benchmark finished (same settings assumed)")
     ap.add_argument("--collect", metavar="REV", help="run nothing: report the runs an interrupted benchmark finished "
                     "(their records in --runs-dir), made by the code at git revision REV")
+    ap.add_argument("--restore", type=Path, metavar="JSON",
+                    help="first write the runs of a results file back into --runs-dir as finished records (runs/ is "
+                    "not committed: a fresh checkout resumes from the committed results this way)")
     ap.add_argument("--note", action="append", help="a line for the report's notes (e.g. what else ran meanwhile)")
     ap.add_argument("--quick", action="store_true", help="tiny model, 2 steps, 1 seed: a smoke test, not a result")
     ap.add_argument("--from-json", type=Path, help="regenerate the report and plot from a saved result")
@@ -444,6 +460,8 @@ def main() -> None:
         confs = [c for label in args.only for c in confs if c["label"] == label]
     bf16 = sz["precision"] == "auto" and fast_bf16("cpu")
     prov = provenance("entropy_control.py", "bf16 autocast, fp32 master weights" if bf16 else "fp32")
+    if args.restore:
+        restore_records(json.loads(args.restore.read_text()), runs_dir)
     runs, base_acc, noise = [], {}, []
     for seed in sz["seeds"]:
         done = runs_dir / f"noise-seed{seed}.record.json"  # the measurement noise, at the first seed only

@@ -107,3 +107,24 @@ def test_results_index_lists_every_results_file():
         assert row, f"benchmarks/results/{path.name} is not in benchmarks/results/README.md"
         if path.suffix == ".json" and not (json.loads(path.read_text()).get("machine")):
             assert "machine not recorded" in row[0], f"{path.name} records no machine; its index line must say so"
+
+
+def test_entropy_control_restore_gives_a_fresh_checkout_the_committed_runs(tmp_path):
+    """runs/ is not committed, so a new checkout has no records to resume from: ``--restore`` writes the committed
+    results' runs back as records, and ``--collect`` (as ``--resume``) then finds every one of them unchanged."""
+    committed = BENCH / "results" / "entropy_control.json"
+    result = json.loads(committed.read_text())
+    labels = list(dict.fromkeys(r["label"] for r in result["runs"]))
+    seeds = sorted({str(r["seed"]) for r in result["runs"]})
+    cmd = [sys.executable, str(BENCH / "entropy_control.py"), "--restore", str(committed), "--collect", "HEAD",
+           "--runs-dir", str(tmp_path / "runs"), "--out", str(tmp_path / "out"), "--seeds", *seeds,
+           "--noise-batches", "0", "--only", *labels]
+    proc = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=600,
+                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert proc.returncode == 0, f"{shlex.join(cmd)}:\n{proc.stdout[-2000:]}\n{proc.stderr[-3000:]}"
+    collected = json.loads((tmp_path / "out" / "entropy_control.json").read_text())
+
+    def key(run: dict) -> tuple:
+        return run["label"], run["seed"]
+
+    assert sorted(collected["runs"], key=key) == sorted(result["runs"], key=key)
