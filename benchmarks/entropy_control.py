@@ -146,13 +146,17 @@ def run_name(label: str, seed: int) -> str:
     return f"{label.replace(' ', '_').replace('%', 'pct')}-seed{seed}"
 
 
+def record_path(runs_dir: Path, label: str | None, seed: int) -> Path:
+    """Where a finished run's record lies (``label`` None: the seed's noise measurement), for writer and reader."""
+    return runs_dir / f"{f'noise-seed{seed}' if label is None else run_name(label, seed)}.record.json"
+
+
 def restore_records(result: dict, runs_dir: Path) -> None:
     """Each run (and noise measurement) of a results file as the record ``--resume`` / ``--collect`` keep; an
     existing record is left alone."""
-    records = [(run_name(r["label"], r["seed"]), r) for r in result["runs"]]
-    records += [(f"noise-seed{n['seed']}", n) for n in result.get("noise") or []]
-    for name, record in records:
-        path = runs_dir / f"{name}.record.json"
+    records = [(record_path(runs_dir, r["label"], r["seed"]), r) for r in result["runs"]]
+    records += [(record_path(runs_dir, None, n["seed"]), n) for n in result.get("noise") or []]
+    for path, record in records:
         if not path.exists():
             atomic_write_json(path, record)
             print(f"restored {path}", flush=True)
@@ -464,14 +468,14 @@ def main() -> None:
         restore_records(json.loads(args.restore.read_text()), runs_dir)
     runs, base_acc, noise = [], {}, []
     for seed in sz["seeds"]:
-        done = runs_dir / f"noise-seed{seed}.record.json"  # the measurement noise, at the first seed only
+        done = record_path(runs_dir, None, seed)  # the measurement noise, at the first seed only
         if done.exists() and (args.collect or args.resume):
             noise.append(json.loads(done.read_text()))
         elif seed == sz["seeds"][0] and args.noise_batches > 0 and not args.collect:
             noise.append(measure_noise(GRPO, seed, sz, args, data_dir, runs_dir, commit))
             atomic_write_json(done, noise[-1])
         for conf in confs:
-            done = runs_dir / f"{run_name(conf['label'], seed)}.record.json"
+            done = record_path(runs_dir, conf["label"], seed)
             if args.collect:
                 if done.exists():
                     runs.append(json.loads(done.read_text()))

@@ -60,6 +60,7 @@ class LoadSampler(threading.Thread):
 
     def __init__(self, path: Path, interval_s: float = 15.0):
         super().__init__(daemon=True)
+        path.parent.mkdir(parents=True, exist_ok=True)  # its first sample comes before the run makes its directory
         self.path, self.interval_s, self.stop = path, interval_s, threading.Event()
         self.record = {"interval_s": interval_s, "since": datetime.now(timezone.utc).isoformat(timespec="seconds"),
                        "samples": []}
@@ -104,7 +105,6 @@ def run_seed(config: str, seed: int, out: Path, extra: list[str], rerun: bool) -
         return done
     cmd = command(config, seed, out, extra) + (["--overwrite"] if out.exists() else [])
     print(f"seed {seed}: {shlex.join(cmd[1:])}", flush=True)
-    load_file(out).parent.mkdir(parents=True, exist_ok=True)  # the sampler writes before the run makes its dir
     sampler = LoadSampler(load_file(out))
     sampler.start()
     try:
