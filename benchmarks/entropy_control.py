@@ -99,7 +99,9 @@ def sizes(args) -> dict:
     if args.quick:  # the tiny char-level model: checks the pipeline, measures nothing
         return dict(model="tiny", precision="fp32", rollout_dtype="float32", steps=2, seeds=[0], prompts=2, n=4,
                     max_new_tokens=16, max_prompt_tokens=160, eval_n=4, dynamic_sampling=False)
-    return dict(model=args.model, precision="auto", rollout_dtype="auto", steps=args.steps,
+    fp32 = getattr(args, "precision", "auto") == "fp32"  # pinned: runs comparable across CPU kinds (bf16 only where native)
+    return dict(model=args.model, precision="fp32" if fp32 else "auto", rollout_dtype="float32" if fp32 else "auto",
+                steps=args.steps,
                 seeds=getattr(args, "seeds", [0]), prompts=args.prompts, n=args.n, max_new_tokens=args.max_new_tokens,
                 max_prompt_tokens=96, eval_n=32, dynamic_sampling=True)
 
@@ -113,6 +115,8 @@ def add_size_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--prompts", type=int, default=4, help="prompts per RL step")
     ap.add_argument("--n", type=int, default=8, help="samples per prompt")
     ap.add_argument("--max-new-tokens", type=int, default=40)
+    ap.add_argument("--precision", choices=("auto", "fp32"), default="auto",
+                    help="auto: bf16 autocast where the CPU has native bf16; fp32: fp32 everywhere (as the AVX2 runs)")
 
 
 def write_problems(data_dir: Path) -> Path:
