@@ -16,6 +16,11 @@ ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results"
 
 
+def in_checkout(path: Path) -> Path:
+    """``path`` relative to the checkout when it lies inside it (what results record: no machine's path)."""
+    return path.relative_to(ROOT) if path.is_relative_to(ROOT) else path
+
+
 def quick_out(name: str) -> Path:
     """Where a ``--quick`` smoke run writes by default: under ``runs/``, never over ``benchmarks/results/``."""
     return ROOT / "runs" / f"{name}_quick"

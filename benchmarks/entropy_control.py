@@ -47,7 +47,7 @@ ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results"
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import provenance, provenance_line, quick_out  # noqa: E402
+from common import in_checkout, provenance, provenance_line, quick_out  # noqa: E402
 from reproduce_entropy import addition_problems, mean_sem  # noqa: E402  (the same problems and splits)
 
 from cegppo.io import atomic_write_json, atomic_write_text, read_jsonl  # noqa: E402
@@ -99,7 +99,7 @@ def sizes(args) -> dict:
     if args.quick:  # the tiny char-level model: checks the pipeline, measures nothing
         return dict(model="tiny", precision="fp32", rollout_dtype="float32", steps=2, seeds=[0], prompts=2, n=4,
                     max_new_tokens=16, max_prompt_tokens=160, eval_n=4, dynamic_sampling=False)
-    fp32 = getattr(args, "precision", "auto") == "fp32"  # pinned: runs comparable across CPU kinds (bf16 only where native)
+    fp32 = args.precision == "fp32"  # pinned: runs comparable across CPU kinds (bf16 only where native)
     return dict(model=args.model, precision="fp32" if fp32 else "auto", rollout_dtype="float32" if fp32 else "auto",
                 steps=args.steps,
                 seeds=getattr(args, "seeds", [0]), prompts=args.prompts, n=args.n, max_new_tokens=args.max_new_tokens,
@@ -217,7 +217,7 @@ def run_one(conf: dict, seed: int, sz: dict, args, data_dir: Path, runs_dir: Pat
                target=conf["target"], seed=seed, steps=col("step"), entropy=col("entropy"),
                reward=col("reward/mean"), beta1=col("control/beta1"), beta2=col("control/beta2"),
                entropy_coeff=col("control/entropy_coeff"), control_target=col("control/target"),
-               initial_test_accuracy=base_acc[seed], final_test_accuracy=final, wall_s=wall, run_dir=str(run_dir),
+               initial_test_accuracy=base_acc[seed], final_test_accuracy=final, wall_s=wall, run_dir=str(in_checkout(run_dir)),
                commit=commit)
     rec["tracking"] = {name: tracking_error(rec, frac) for name, frac in TARGETS.items()}
     rec["final_entropy"] = next((h for h in reversed(rec["entropy"]) if h is not None), float("nan"))

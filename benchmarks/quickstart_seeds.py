@@ -29,7 +29,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import RESULTS, ROOT, load_now, spread, write_results  # noqa: E402
+from common import RESULTS, ROOT, in_checkout, load_now, spread, write_results  # noqa: E402
 STAGES = ("base", "warm-start", "final")
 QUICK = ["sft.steps=2", "train.steps=2", "data.num_train=32", "data.num_test=8", "eval.num_problems=8",
          "rollout.n=4", "train.prompts_per_step=2", "train.save_every=0", "rollout.max_new_tokens=16"]
@@ -38,7 +38,7 @@ QUICK = ["sft.steps=2", "train.steps=2", "data.num_train=32", "data.num_test=8",
 def command(config: str, seed: int, out: Path, extra: list[str]) -> list[str]:
     """The run's command, with ``out`` relative to the repository (results files record no machine paths)."""
     return [sys.executable, "-m", "cegppo.cli", "train", config, f"train.seed={seed}",
-            f"output_dir={out.relative_to(ROOT) if out.is_relative_to(ROOT) else out}", "logging.progress=false", *extra]
+            f"output_dir={in_checkout(out)}", "logging.progress=false", *extra]
 
 
 def relative(record: dict) -> dict:
@@ -100,7 +100,7 @@ def run_seed(config: str, seed: int, out: Path, extra: list[str], rerun: bool) -
     summary = out / "summary.json"
     if summary.is_file() and not rerun:
         done = json.loads(summary.read_text())
-        print(f"seed {seed}: reusing {out.relative_to(ROOT) if out.is_relative_to(ROOT) else out} (finished at "
+        print(f"seed {seed}: reusing {in_checkout(out)} (finished at "
               f"{run_commit(done)})", flush=True)
         return done
     cmd = command(config, seed, out, extra) + (["--overwrite"] if out.exists() else [])

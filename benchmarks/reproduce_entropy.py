@@ -48,7 +48,7 @@ from cegppo.data.rewards import load_reward
 from cegppo.engine.rollout import HFRollout, RolloutBatch, Sampling
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import ROOT, RESULTS, load_now, provenance, provenance_line, quick_out  # noqa: E402
+from common import RESULTS, in_checkout, load_now, provenance, provenance_line, quick_out  # noqa: E402
 
 QUICK_OUT = quick_out("reproduce_entropy")
 PROMPT = "What is {a} + {b}? Think step by step."
@@ -287,8 +287,7 @@ def part_b(args, out_dir: Path) -> list[dict]:
             runs.append(dict(objective=label, beta1=hp.get("beta1"), beta2=hp.get("beta2"), seed=seed,
                              steps=[r["step"] for r in rows], entropy=[r.get("entropy") for r in rows],
                              reward=[r["reward/mean"] for r in rows], initial_test_accuracy=start,
-                             final_test_accuracy=final, run_dir=str(run_dir.relative_to(ROOT))
-                             if run_dir.is_relative_to(ROOT) else str(run_dir),
+                             final_test_accuracy=final, run_dir=str(in_checkout(run_dir)),
                              wall_s=time.perf_counter() - t0))
             h0, h1 = first_last([r.get("entropy") for r in rows])
             print(f"[B] {label} seed {seed}: entropy {h0:.4f} -> {h1:.4f}, held-out acc {start:.3f} -> {final:.3f}, "

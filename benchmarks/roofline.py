@@ -41,7 +41,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import RESULTS, ROOT, provenance, provenance_line, quick_out, write_results  # noqa: E402
+from common import RESULTS, ROOT, in_checkout, provenance, provenance_line, quick_out, write_results  # noqa: E402
 
 PHASES = ("generate", "old_logp", "update")
 
@@ -199,7 +199,7 @@ def main() -> None:
     step_file = args.step
     if step_file is None:  # measure the phases now: one round, both systems, checkpointing for both
         step_out = out / "roofline_step"
-        rel = step_out.relative_to(ROOT) if step_out.is_relative_to(ROOT) else step_out  # a command other clones can run
+        rel = in_checkout(step_out)  # a command other clones can run
         cmd = [sys.executable, str(ROOT / "benchmarks" / "step_throughput.py"), "--out", str(rel)]
         cmd += ["--quick"] if args.quick else ["--rounds", "1", "--steps", "2", "--variant",
                                                "ckpt=model.gradient_checkpointing=true"]
@@ -221,7 +221,7 @@ def main() -> None:
         phases[label] = analyse(summ, s, m, limits, prompt, checkpointed(systems[label]),
                                 old_logp_rows(systems[label], s))
     result = dict(**provenance("roofline.py", limits["dtype"]), limits=limits, model=m, prompt_tokens=prompt,
-                  settings=s, step_file=str(step_file.relative_to(ROOT) if step_file.is_relative_to(ROOT) else step_file),
+                  settings=s, step_file=str(in_checkout(step_file)),
                   step_commit=step.get("commit"), step_cpu=f"{there.get('cpu')} ({there.get('isa')})", phases=phases)
     write_results(out, "roofline", result, report(result))
 
