@@ -18,7 +18,8 @@ samples per step (<= ``--max-new-tokens``), dynamic sampling, 4 mini-batches of 
   GRPO with Skywork-OR1's adaptive entropy bonus (TRL's ``use_adaptive_entropy``; ``algorithm.adaptive_entropy``
   at TRL's defaults, ``--skywork-delta``), and the autopilot (``algorithm.entropy_control``, CE-GPPO from
   (0.75, 1), default gains) with beta1 as its only lever, and with the entropy-bonus lever too (``--bonus-gain``,
-  ``--bonus-max``).
+  ``--bonus-max``, ``--bonus-ema``: 0.03, 0.05 and no smoothing, chosen with ``entropy_plant.py`` on the plant fitted
+  to the runs of gain 0.1, which overshot).
 
 Before the runs of the first seed it measures the noise of what the controllers see: the token-mean entropy of
 ``--noise-batches`` rollout batches of the starting policy (no update between them). Even a controller that held the
@@ -27,8 +28,9 @@ true entropy exactly on target would score about sqrt(2/pi) x that standard devi
 Per run: the tracking error, mean |H - target| / target over the second half of training (steps > steps/2), for
 every target (a fixed run is scored against targets it was never told about, as a controller is against its own);
 final entropy; held-out accuracy (greedy, 32 problems) after training, with its standard error over seeds; wall
-time. The targets are fractions of each run's own first measured entropy, which is the same for every run of a
-seed (same weights, same first rollouts). Writes ``entropy_control.{json,md,png}`` to ``--out``; the report is
+time. A kept record (``--resume``, ``--collect``) must have run the configuration asked for; one of other settings
+is rerun or left out. The targets are fractions of each run's own first measured entropy, which is the same for
+every run of a seed (same weights, same first rollouts). Writes ``entropy_control.{json,md,png}`` to ``--out``; the report is
 generated here from the JSON, with the git commit, the command, the date and the machine (CPU, ISA, precision, load).
 Over 400 lines because runs, resume, verdicts, plot and report of one results file belong together.
 """
@@ -67,7 +69,8 @@ def configurations(args) -> list[dict]:
         out = ["algorithm.entropy_control.enabled=true", f"algorithm.entropy_control.target={frac}"]
         if bonus:
             out += [f"algorithm.entropy_control.bonus_gain={args.bonus_gain}",
-                    f"algorithm.entropy_control.bonus_max={args.bonus_max}"]
+                    f"algorithm.entropy_control.bonus_max={args.bonus_max}",
+                    f"algorithm.entropy_control.ema={args.bonus_ema}"]
         return out + (["algorithm.entropy_control.move_beta2=true"] if args.move_beta2 else [])
 
     def skywork(frac: float) -> list[str]:
@@ -153,6 +156,19 @@ def run_name(label: str, seed: int) -> str:
 def record_path(runs_dir: Path, label: str | None, seed: int) -> Path:
     """Where a finished run's record lies (``label`` None: the seed's noise measurement), for writer and reader."""
     return runs_dir / f"{f'noise-seed{seed}' if label is None else run_name(label, seed)}.record.json"
+
+
+def kept_record(path: Path, conf: dict) -> dict | None:
+    """The finished run at ``path`` if it ran this configuration (objective, hyperparameters, overrides); a record of
+    other settings under the same label (say another --bonus-gain) is not kept: it is rerun or left out, and said."""
+    if not path.exists():
+        return None
+    rec = json.loads(path.read_text())
+    ran = {k: rec.get(k) for k in ("objective", "hparams", "extra")}
+    if ran != {k: conf[k] for k in ("objective", "hparams", "extra")}:
+        print(f"{path}: made with other settings ({ran['extra']} against {conf['extra']}): not kept", flush=True)
+        return None
+    return rec
 
 
 def restore_records(result: dict, runs_dir: Path) -> None:
@@ -424,8 +440,11 @@ def main() -> None:
     ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1])
     ap.add_argument("--skywork-delta", type=float, default=0.005,
                     help="the adaptive bonus's coefficient step per RL step (TRL's entropy_coef_delta default)")
-    ap.add_argument("--bonus-gain", type=float, default=0.1, help="the autopilot's bonus lever: coefficient per unit signal")
+    # 0.03 and no smoothing: chosen on the plant fitted to the gain-0.1 runs (entropy_plant.md), which overshot
+    ap.add_argument("--bonus-gain", type=float, default=0.03, help="the autopilot's bonus lever: coefficient per unit signal")
     ap.add_argument("--bonus-max", type=float, default=0.05, help="the autopilot's bonus lever: largest coefficient")
+    ap.add_argument("--bonus-ema", type=float, default=1.0,
+                    help="the smoothing (algorithm.entropy_control.ema) of the autopilot with the bonus lever (1: none)")
     ap.add_argument("--noise-batches", type=int, default=8,
                     help="rollout batches of the starting policy whose entropy spread is the measurement noise (0: none)")
     ap.add_argument("--move-beta2", action="store_true", help="let the autopilot move beta2 too (sign not established)")
@@ -480,13 +499,14 @@ def main() -> None:
             atomic_write_json(done, noise[-1])
         for conf in confs:
             done = record_path(runs_dir, conf["label"], seed)
+            kept = kept_record(done, conf) if args.collect or args.resume else None
             if args.collect:
-                if done.exists():
-                    runs.append(json.loads(done.read_text()))
+                if kept:
+                    runs.append(kept)
                     runs[-1].setdefault("commit", args.collect)  # records made before runs recorded their commit
                 continue
-            if args.resume and done.exists():  # a finished run of an interrupted benchmark: keep its record
-                runs.append(json.loads(done.read_text()))
+            if kept:  # a finished run of an interrupted benchmark: keep its record
+                runs.append(kept)
                 base_acc.setdefault(seed, runs[-1]["initial_test_accuracy"])
                 print(f"{conf['label']:<28} seed {seed}: kept from {done}", flush=True)
                 continue
@@ -501,7 +521,7 @@ def main() -> None:
     result = dict(**{**prov, "commit": commit}, torch=torch.__version__,
                   wall_s=sum(r["wall_s"] for r in runs) if args.collect else time.perf_counter() - t0,
                   settings={**sz, "temperature": args.temperature, "lr": args.lr, "skywork_delta": args.skywork_delta,
-                            "bonus_gain": args.bonus_gain, "bonus_max": args.bonus_max,
+                            "bonus_gain": args.bonus_gain, "bonus_max": args.bonus_max, "bonus_ema": args.bonus_ema,
                             "move_beta2": args.move_beta2, "quick": args.quick},
                   runs=runs, noise=noise, summary=summary, verdicts=verdicts(summary, noise))
     result["notes"] = list(args.note or [])

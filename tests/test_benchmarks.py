@@ -29,6 +29,7 @@ QUICK = {
     "base_accuracy.py": ([], ["base_accuracy.json", "base_accuracy.md"]),
     "entropy_control.py": (["--runs-dir", "{tmp}/runs"], ["entropy_control.json", "entropy_control.md"]),
     "entropy_regime.py": (["--runs-dir", "{tmp}/runs"], ["entropy_regime.json", "entropy_regime.md"]),
+    "entropy_plant.py": ([], ["entropy_plant.json", "entropy_plant.md"]),
     "generation.py": ([], ["generation.json", "generation.md"]),
     "logits_memory.py": ([], ["logits_memory.json"]),
     "objectives.py": ([], ["objectives.json"]),
@@ -128,3 +129,14 @@ def test_entropy_control_restore_gives_a_fresh_checkout_the_committed_runs(tmp_p
         return run["label"], run["seed"]
 
     assert sorted(collected["runs"], key=key) == sorted(result["runs"], key=key)
+
+    # a record of other settings under the same label is not kept: another bonus gain leaves the bonus runs out
+    other = [*cmd[:cmd.index("--out")], "--out", str(tmp_path / "other"), *cmd[cmd.index("--out") + 2:],
+             "--bonus-gain", "0.5"]
+    proc = subprocess.run(other, cwd=tmp_path, capture_output=True, text=True, timeout=600,
+                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert proc.returncode == 0, f"{shlex.join(other)}:\n{proc.stdout[-2000:]}\n{proc.stderr[-3000:]}"
+    left = json.loads((tmp_path / "other" / "entropy_control.json").read_text())["runs"]
+    bonus = {key(r) for r in result["runs"] if r["label"].startswith("Autopilot + bonus")}
+    assert bonus and {key(r) for r in left} == {key(r) for r in result["runs"]} - bonus
+    assert "made with other settings" in proc.stdout
