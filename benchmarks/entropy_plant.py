@@ -17,6 +17,8 @@ that from the committed runs, and from it bounds and simulates the controllers:
    step errs by at least ``|w + v|``, and the tracking error, mean ``|H - T| / T`` (>= mean ``|log(H / T)|``), is at
    least ``sqrt(2 / pi) * sqrt(sd(r)^2 - s_v^2)`` for Gaussian noise. The split of ``sd(r)`` between ``w`` and
    ``v`` moves it only between ``sqrt(2/pi) sd(r) / sqrt 2`` (all measurement) and ``sqrt(2/pi) sd(r)`` (none).
+   A lever that pushes both ways reaches it (:func:`oracle`); the bonus only raises entropy, so a bonus-only
+   controller, even that oracle, scores above it (the oracle's row of the table).
 3. **The controllers on the fitted plant.** The library's own ``AdaptiveEntropyBonus`` (Skywork's rule) and
    ``EntropyController`` (the autopilot's bonus lever at a few gains and smoothings) drive the fitted plant
    (Gaussian ``w`` and ``v``) for the benchmark's 10 steps, scored as the benchmark scores (steps > 5), at the fitted
@@ -44,6 +46,7 @@ from cegppo.algorithm.entropy_control import (AdaptiveEntropyBonus, AdaptiveEntr
                                               EntropyControlConfig, EntropyController)
 
 STEPS, TARGETS = 10, {"hold": 1.0, "up": 1.2}  # the benchmark's run length and targets (entropy_control.py)
+ORACLE = "oracle: knows the state, a and g (bonus >= 0)"
 MEASUREMENT_NOISE = 0.030  # sd / mean of one step's entropy, entropy_regime.md (6 batches), when the results have none
 # the autopilot's bonus lever: (label, bonus_gain, ema); beta1 moves too, with an effect too small to model here
 AUTOPILOTS = (("Autopilot + bonus, gain 0.1, ema 0.5", 0.1, 0.5), ("Autopilot + bonus, gain 0.03, ema 0.5", 0.03, 0.5),
@@ -109,6 +112,19 @@ def simulate(make, frac: float, a: float, g: float, sd_w: float, sd_v: float, rn
     return statistics.fmean(abs(h - target) / target for h in seen[STEPS // 2:])
 
 
+def oracle(frac: float, a: float, g: float, sd_w: float, sd_v: float, rng: random.Random, two_sided: bool) -> float:
+    """One run of a controller that sees the true log-entropy and knows ``a`` and ``g``: it puts the next step on
+    target in expectation. With ``two_sided`` it may apply a negative bonus and reaches the floor; a bonus (>= 0) can
+    only raise entropy, so above the target it waits for the drift, as every bonus-only controller must."""
+    x, seen, target = math.log(1.6), [], 0.0
+    for _ in range(STEPS):
+        seen.append(math.exp(x + rng.gauss(0, sd_v)))
+        target = target or frac * seen[0]
+        u = (math.log(target) - x - a) / g
+        x += a + g * (u if two_sided else max(u, 0.0)) + rng.gauss(0, sd_w)
+    return statistics.fmean(abs(h - target) / target for h in seen[STEPS // 2:])
+
+
 def measured_noise(result: dict) -> tuple[float, str]:
     if result.get("noise"):
         n = result["noise"][0]
@@ -165,14 +181,16 @@ def main() -> None:
     cells = []
     for target, frac in TARGETS.items():
         for gain_x, drift_x in ((1, 1), (0.5, 1), (2, 1), (1, 2)):
-            track = {label: statistics.fmean(simulate(mk(frac), frac, f["a"] * drift_x, f["g"] * gain_x, sd_w, sv, rng)
-                                             for _ in range(sims)) for label, mk in makers.items()}
+            a, g = f["a"] * drift_x, f["g"] * gain_x
+            track = {label: statistics.fmean(simulate(mk(frac), frac, a, g, sd_w, sv, rng) for _ in range(sims))
+                     for label, mk in makers.items()}
+            track[ORACLE] = statistics.fmean(oracle(frac, a, g, sd_w, sv, rng, False) for _ in range(sims))
             cells.append(dict(target=target, gain_x=gain_x, drift_x=drift_x, tracking=track))
     measured = [dict(label=r["label"], seed=r["seed"], tracking=r["tracking"][r["target"]]) for r in src["runs"]
                 if r.get("target") and r.get("tracking", {}).get(r["target"]) is not None]
     res = dict(**provenance("entropy_plant.py", "fp64 (pure Python)"), source=str(in_checkout(args.source.resolve())),
                source_commit=src.get("commit"), fit=f, fit_interval=interval, measurement_noise=sv,
-               measurement_source=src_note, sd_w=sd_w, sims=sims, controllers=list(makers), cells=cells,
+               measurement_source=src_note, sd_w=sd_w, sims=sims, controllers=[*makers, ORACLE], cells=cells,
                measured=measured, notes=list(args.note or []),
                floor=dict(value=floor(f["sd"], sv), interval=[floor(s, sv) for s in interval["sd"]],
                           all_measurement=math.sqrt(2 / math.pi) * f["sd"] / math.sqrt(2)))
