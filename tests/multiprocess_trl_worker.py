@@ -98,6 +98,9 @@ def main() -> None:
                    os.path.join(out_dir, "tensors.pt"))
         with open(os.path.join(out_dir, "result.json"), "w") as f:
             json.dump({"logs": [h for h in trainer.state.log_history if "loss" in h], "tokens_per_rank": tokens}, f)
+    if world > 1:  # every rank leaves together: a rank exiting with gloo's threads alive aborts ("terminate called")
+        torch.distributed.barrier()
+        torch.distributed.destroy_process_group()
 
 
 if __name__ == "__main__":
