@@ -55,6 +55,7 @@ from reproduce_entropy import addition_problems, mean_sem  # noqa: E402  (the sa
 from cegppo.io import atomic_write_json, atomic_write_text, read_jsonl  # noqa: E402
 
 TARGETS = {"hold": 1.0, "up": 1.2}  # target name -> fraction of the first measured entropy
+MIN_SEEDS = 3  # issue 24 judges the tracking goal on >= 3 seeds of each controller
 # --quick runs these: a fixed baseline, fixed CE-GPPO, the adaptive bonus, the autopilot with beta1 alone and with both
 QUICK_LABELS = ("GRPO", "CE-GPPO(0.75,1)", "Skywork adaptive bonus (up)", "Autopilot (hold)", "Autopilot + bonus (up)")
 CLIP = {"eps_low": 0.2, "eps_high": 0.2, "clip_ratio_c": 10.0}
@@ -290,9 +291,13 @@ def verdicts(summary: list[dict], noise: list[dict] | None = None) -> list[str]:
         for auto in (s for s in summary if is_autopilot(s["label"]) and s["target"] == name):
             a = auto[f"tracking_{name}"]
             ratio = a / b if b > 0 else float("inf")
+            seeds = len(auto["seeds"]), len(best["seeds"])
+            verdict = ('MET' if ratio <= 1 / 2 else 'NOT MET') if min(seeds) >= MIN_SEEDS else \
+                f"not judged: {'below' if ratio <= 1 / 2 else 'above'} 1/2 on {seeds[0]} and {seeds[1]} seed(s), " \
+                f"the goal asks for >= {MIN_SEEDS} of each"
             lines.append(f"Target {name}: {auto['label']} tracking error {fmt(a, auto[f'tracking_{name}_se'])} vs "
                          f"the best other controller ({best['label']}) {fmt(b, best[f'tracking_{name}_se'])}: ratio "
-                         f"{ratio:.2f} -> goal (<= 1/2) {'MET' if ratio <= 1 / 2 else 'NOT MET'}.")
+                         f"{ratio:.2f} -> goal (<= 1/2) {verdict}.")
             if grpo is not None:
                 d = auto["accuracy"] - grpo["accuracy"]
                 ses = (auto["accuracy_se"], grpo["accuracy_se"])
