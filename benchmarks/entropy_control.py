@@ -30,8 +30,8 @@ every target (a fixed run is scored against targets it was never told about, as 
 final entropy; held-out accuracy (greedy, 32 problems) after training, with its standard error over seeds; wall
 time. A kept record (``--resume``, ``--collect``) must have run the configuration asked for; one of other settings
 is rerun or left out. The targets are fractions of each run's own first measured entropy, which is the same for
-every run of a seed (same weights, same first rollouts). Writes ``entropy_control.{json,md,png}`` to ``--out``; the report is
-generated here from the JSON, with the git commit, the command, the date and the machine (CPU, ISA, precision, load).
+every run of a seed (same weights, same first rollouts). Writes ``entropy_control.{json,md,png}`` to ``--out``; the
+report is generated here from the JSON, with the git commit, the command, the date and the machine (CPU, ISA, precision, load).
 Over 400 lines because runs, resume, verdicts, plot and report of one results file belong together.
 """
 

@@ -31,6 +31,7 @@ benchmark's goal asks of the measurement (a floor) and to choose the bonus lever
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import math
 import random
@@ -42,10 +43,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from common import RESULTS, in_checkout, provenance, provenance_line, quick_out, write_results  # noqa: E402
 
+from entropy_control import TARGETS, tracking_error  # noqa: E402  (the benchmark's targets and its score)
+
 from cegppo.algorithm.entropy_control import (AdaptiveEntropyBonus, AdaptiveEntropyConfig,  # noqa: E402
                                               EntropyControlConfig, EntropyController)
 
-STEPS, TARGETS = 10, {"hold": 1.0, "up": 1.2}  # the benchmark's run length and targets (entropy_control.py)
+STEPS = 10  # the committed benchmark's run length
 ORACLE = "oracle: knows the state, a and g (bonus >= 0)"
 MEASUREMENT_NOISE = 0.030  # sd / mean of one step's entropy, entropy_regime.md (6 batches), when the results have none
 # the autopilot's bonus lever: (label, bonus_gain, ema); beta1 moves too, with an effect too small to model here
@@ -68,10 +71,10 @@ def transitions(result: dict) -> list[tuple[float, float]]:
 def fit(points: list[tuple[float, float]]) -> dict:
     """Least squares ``y = a + g u``; the residual sd with 2 degrees of freedom spent."""
     us, ys = [p[0] for p in points], [p[1] for p in points]
-    mu, my = statistics.fmean(us), statistics.fmean(ys)
-    suu = sum((u - mu) ** 2 for u in us)
-    g = sum((u - mu) * (y - my) for u, y in zip(us, ys)) / suu if suu > 0 else 0.0
-    a = my - g * mu
+    try:
+        g, a = statistics.linear_regression(us, ys)
+    except statistics.StatisticsError:  # a resample with one bonus value only: no gain to fit
+        g, a = 0.0, statistics.fmean(ys)
     resid = [y - a - g * u for u, y in zip(us, ys)]
     return {"a": a, "g": g, "sd": math.sqrt(sum(r * r for r in resid) / max(len(points) - 2, 1)), "n": len(points)}
 
@@ -92,37 +95,38 @@ def floor(sd_resid: float, sd_measure: float) -> float:
 
 
 def controller(kind: str, frac: float, gain: float = 0.0, ema: float = 1.0):
-    """entropy -> bonus coefficient, the library's own rule at the benchmark's settings."""
+    """A fresh controller ``(measured entropy, true log-entropy) -> bonus coefficient``: the library's own rule at the
+    benchmark's settings (it sees only the measurement)."""
+    if kind == "none":
+        return lambda h, x: 0.0
     if kind == "skywork":
         c = AdaptiveEntropyBonus(AdaptiveEntropyConfig(enabled=True, target=frac, target_mode="relative"))
-        return lambda h: c.update(h)["entropy_coeff"]
-    if kind == "none":
-        return lambda h: 0.0
-    p = EntropyController(EntropyControlConfig(enabled=True, target=frac, bonus_gain=gain, ema=ema), 0.75, 1.0)
-    return lambda h: p.update(h)["entropy_coeff"]
+    else:
+        c = EntropyController(EntropyControlConfig(enabled=True, target=frac, bonus_gain=gain, ema=ema), 0.75, 1.0)
+    return lambda h, x: c.update(h)["entropy_coeff"]
+
+
+def oracle(frac: float, a: float, g: float, two_sided: bool):
+    """A fresh controller that sees the true log-entropy and knows ``a`` and ``g``: it puts the next step on target
+    in expectation. With ``two_sided`` it may apply a negative bonus and reaches the floor; a bonus (>= 0) can only
+    raise entropy, so above the target it waits for the drift, as every bonus-only controller must."""
+    first: list[float] = []
+
+    def act(h: float, x: float) -> float:
+        first.append(h)
+        u = (math.log(frac * first[0]) - x - a) / g
+        return u if two_sided else max(u, 0.0)
+    return act
 
 
 def simulate(make, frac: float, a: float, g: float, sd_w: float, sd_v: float, rng: random.Random) -> float:
-    """One 10-step run on the plant; its tracking error as the benchmark scores it."""
+    """One run of ``STEPS`` on the plant with the controller ``make()``; its tracking error as the benchmark scores
+    it (:func:`entropy_control.tracking_error`)."""
     x, act, seen = math.log(1.6), make(), []
     for _ in range(STEPS):
         seen.append(math.exp(x + rng.gauss(0, sd_v)))
-        x += a + g * act(seen[-1]) + rng.gauss(0, sd_w)
-    target = frac * seen[0]
-    return statistics.fmean(abs(h - target) / target for h in seen[STEPS // 2:])
-
-
-def oracle(frac: float, a: float, g: float, sd_w: float, sd_v: float, rng: random.Random, two_sided: bool) -> float:
-    """One run of a controller that sees the true log-entropy and knows ``a`` and ``g``: it puts the next step on
-    target in expectation. With ``two_sided`` it may apply a negative bonus and reaches the floor; a bonus (>= 0) can
-    only raise entropy, so above the target it waits for the drift, as every bonus-only controller must."""
-    x, seen, target = math.log(1.6), [], 0.0
-    for _ in range(STEPS):
-        seen.append(math.exp(x + rng.gauss(0, sd_v)))
-        target = target or frac * seen[0]
-        u = (math.log(target) - x - a) / g
-        x += a + g * (u if two_sided else max(u, 0.0)) + rng.gauss(0, sd_w)
-    return statistics.fmean(abs(h - target) / target for h in seen[STEPS // 2:])
+        x += a + g * act(seen[-1], x) + rng.gauss(0, sd_w)
+    return tracking_error({"steps": list(range(1, STEPS + 1)), "entropy": seen}, frac)
 
 
 def measured_noise(result: dict) -> tuple[float, str]:
@@ -174,23 +178,23 @@ def main() -> None:
     f, sv, src_note = fit(points), *measured_noise(src)
     interval = bootstrap(points, 200 if args.quick else 2000, rng)
     sd_w = math.sqrt(max(f["sd"] ** 2 - 2 * sv ** 2, 0.0))  # r = w + v[t+1] - v[t]
-    makers = {"no controller (GRPO)": lambda frac: (lambda: controller("none", frac)),
-              "Skywork rule (delta 0.005)": lambda frac: (lambda: controller("skywork", frac))}
-    for label, gain, ema in AUTOPILOTS:
-        makers[label] = lambda frac, gain=gain, ema=ema: (lambda: controller("autopilot", frac, gain, ema))
+    kinds = {"no controller (GRPO)": ("none", 0.0, 1.0), "Skywork rule (delta 0.005)": ("skywork", 0.0, 1.0),
+             **{label: ("autopilot", gain, ema) for label, gain, ema in AUTOPILOTS}}
     cells = []
     for target, frac in TARGETS.items():
         for gain_x, drift_x in ((1, 1), (0.5, 1), (2, 1), (1, 2)):
             a, g = f["a"] * drift_x, f["g"] * gain_x
-            track = {label: statistics.fmean(simulate(mk(frac), frac, a, g, sd_w, sv, rng) for _ in range(sims))
+            makers = {label: functools.partial(controller, kind, frac, gain, ema)
+                      for label, (kind, gain, ema) in kinds.items()}
+            makers[ORACLE] = functools.partial(oracle, frac, a, g, False)
+            track = {label: statistics.fmean(simulate(mk, frac, a, g, sd_w, sv, rng) for _ in range(sims))
                      for label, mk in makers.items()}
-            track[ORACLE] = statistics.fmean(oracle(frac, a, g, sd_w, sv, rng, False) for _ in range(sims))
             cells.append(dict(target=target, gain_x=gain_x, drift_x=drift_x, tracking=track))
     measured = [dict(label=r["label"], seed=r["seed"], tracking=r["tracking"][r["target"]]) for r in src["runs"]
                 if r.get("target") and r.get("tracking", {}).get(r["target"]) is not None]
     res = dict(**provenance("entropy_plant.py", "fp64 (pure Python)"), source=str(in_checkout(args.source.resolve())),
                source_commit=src.get("commit"), fit=f, fit_interval=interval, measurement_noise=sv,
-               measurement_source=src_note, sd_w=sd_w, sims=sims, controllers=[*makers, ORACLE], cells=cells,
+               measurement_source=src_note, sd_w=sd_w, sims=sims, controllers=[*kinds, ORACLE], cells=cells,
                measured=measured, notes=list(args.note or []),
                floor=dict(value=floor(f["sd"], sv), interval=[floor(s, sv) for s in interval["sd"]],
                           all_measurement=math.sqrt(2 / math.pi) * f["sd"] / math.sqrt(2)))

@@ -33,9 +33,11 @@ def test_floor_is_reached_by_an_oracle_and_beaten_by_none():
     floor = plant.floor(sd_resid, sd_v)
     assert abs(floor - math.sqrt(2 / math.pi) * math.hypot(sd_w, sd_v)) < 1e-12
     for frac in plant.TARGETS.values():
-        reached = statistics.fmean(plant.oracle(frac, a, g, sd_w, sd_v, rng, True) for _ in range(4000))
+        reached = statistics.fmean(plant.simulate(lambda: plant.oracle(frac, a, g, True), frac, a, g, sd_w, sd_v, rng)
+                                   for _ in range(4000))
         assert floor <= reached <= 1.05 * floor, (frac, floor, reached)
-        bonus_only = statistics.fmean(plant.oracle(frac, a, g, sd_w, sd_v, rng, False) for _ in range(4000))
+        bonus_only = statistics.fmean(plant.simulate(lambda: plant.oracle(frac, a, g, False), frac, a, g, sd_w, sd_v,
+                                                     rng) for _ in range(4000))
         assert bonus_only > reached
     # the controllers the script compares, on the same plant, score above it
     for make in (lambda: plant.controller("skywork", 1.0), lambda: plant.controller("autopilot", 1.0, 0.03, 1.0)):

@@ -6,7 +6,8 @@ Turn it on (besides the ``ce_gppo`` overrides of :mod:`cegppo.integrations.verl`
     trainer.v1.trainer_mode=cegppo_sync
     +actor_rollout_ref.actor.policy_loss.entropy_control.enabled=true
     +actor_rollout_ref.actor.policy_loss.entropy_control.target=0.7      # any EntropyControlConfig field
-    +actor_rollout_ref.actor.policy_loss.entropy_control.bonus_gain=0.03  # optional: the bonus lever
+    +actor_rollout_ref.actor.policy_loss.entropy_control.bonus_gain=0.03  # optional: the bonus lever,
+    +actor_rollout_ref.actor.policy_loss.entropy_control.ema=1.0          # ... unsmoothed (docs/algorithm.md §11)
 
 The route (verl 0.9.1's V1 trainer; its policy losses see only the worker's ``ActorConfig``, never the driver):
 
