@@ -25,8 +25,10 @@ the part of ``s`` that beta1 could not take (beta1 at a bound). Its sign is the 
 keeps more gradient on positive-advantage tokens past the clip, which raises entropy, so entropy above the target
 *lowers* beta2); our measurements did **not** establish it (0 of 3 contrasts beyond 2 SE), hence off by default.
 
-beta1 is a one-sided lever in practice: at beta1 = 0 CE-GPPO is plain PPO clipping, and entropy still falls by
-itself in most runs (``benchmarks/results/entropy_control_issue15.md``). The entropy bonus is the lever that raises it, so
+beta1 is a one-sided lever in practice: at beta1 = 0 (beta2 fixed at 1) CE-GPPO is PPO clipping plus the
+returned positive-advantage gradients above ``1 + eps_high``, and entropy still falls by itself: in the benchmark's
+CPU regime beta1 sat at 0 from step 2-5 in all 6 beta1-only runs, whose entropy fell further than GRPO's
+(``benchmarks/results/entropy_control.md``). The entropy bonus is the lever that raises it, so
 with ``bonus_gain`` > 0 a negative signal (too little entropy) also adds an entropy bonus ``bonus_gain * |s|``,
 capped at ``bonus_max``: the two levers push the same way, beta1 down and the bonus up (off by default).
 
