@@ -45,8 +45,7 @@ def test_goal_is_half_the_best_other_controllers_error(auto, verdict):
 
 
 def test_fewer_seeds_than_the_goal_asks_are_not_judged():
-    runs = seeds("Skywork adaptive bonus (hold)", [0.1, 0.1, 0.1], "hold") + seeds("Autopilot (hold)", [0.01, 0.01],
-                                                                                   "hold")
+    runs = seeds("Skywork adaptive bonus (hold)", [0.1] * 3, "hold") + seeds("Autopilot (hold)", [0.01] * 2, "hold")
     line = next(v for v in hold_verdicts(runs) if "tracking error" in v)
     assert "not judged: below 1/2 on 2 and 3 seed(s)" in line
 
