@@ -55,7 +55,7 @@ def test_one_lucky_seed_does_not_set_the_bar_but_is_named():
             + seeds("Autopilot (hold)", [0.04, 0.05, 0.06], "hold"))
     lines = hold_verdicts(runs)
     assert any(v.startswith("Target hold: CE-GPPO(0.75,1) scored 0.020 on 1 seed(s), below the bar") for v in lines)
-    assert any("(Skywork adaptive bonus (hold)) 0.100" in v and v.endswith("MET.") for v in lines)
+    assert any("(Skywork adaptive bonus (hold)) 0.100" in v and v.endswith("goal (<= 1/2) MET.") for v in lines)
 
 
 @pytest.mark.parametrize("auto_accs, verdict", [([0.83, 0.88, 0.93], "MET"), ([0.80, 0.85, 0.90], "NOT MET")])
