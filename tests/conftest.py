@@ -1,3 +1,4 @@
+import os
 import sys
 from pathlib import Path
 
@@ -7,6 +8,9 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests"))  # so `fixtures.rewards:digit_overlap` imports as a user reward would
 
 AIME_LAYOUTS = ("interleaved", "blocked")
+# The device the objective-family and TRL-adapter tests put their tensors and models on: cpu here and in CI;
+# benchmarks/gpu_check.sh runs them with CEGPPO_TEST_DEVICE=cuda on a GPU machine.
+TEST_DEVICE = os.environ.get("CEGPPO_TEST_DEVICE", "cpu")
 
 
 def write_x32(src: Path, dst: Path, layout: str = "interleaved") -> Path:

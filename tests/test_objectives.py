@@ -4,6 +4,7 @@ import pytest
 import torch
 
 import reference
+from conftest import TEST_DEVICE
 from cegppo.algorithm.policy_loss import policy_loss
 from cegppo.algorithm.objectives import AGGREGATIONS, OBJECTIVES, aggregate, get_objective
 
@@ -11,10 +12,12 @@ from cegppo.algorithm.objectives import AGGREGATIONS, OBJECTIVES, aggregate, get
 
 @pytest.fixture(autouse=True)
 def float64_by_default():
-    """These tests compare formulations to 1e-12: float64, for this module only (not a collection-time global)."""
+    """These tests compare formulations to 1e-12: float64, for this module only (not a collection-time global);
+    on CEGPPO_TEST_DEVICE (cpu unless benchmarks/gpu_check.sh asks for cuda)."""
     before = torch.get_default_dtype()
     torch.set_default_dtype(torch.float64)
-    yield
+    with torch.device(TEST_DEVICE):
+        yield
     torch.set_default_dtype(before)
 
 

@@ -16,6 +16,7 @@ from datasets import Dataset  # noqa: E402
 from trl import GRPOConfig, GRPOTrainer  # noqa: E402
 
 from cegppo.integrations.trl import ON_POLICY_WARNING, CEGPPOConfig, CEGPPOTrainer  # noqa: E402
+from conftest import TEST_DEVICE  # noqa: E402
 
 SMALL = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
              max_position_embeddings=256)
@@ -42,7 +43,7 @@ def digit_reward(completions, **kwargs):
 def _common(tmp_path, **kw):
     return dict(output_dir=str(tmp_path), per_device_train_batch_size=8, gradient_accumulation_steps=1,
                 num_generations=4, max_completion_length=16, logging_steps=1, report_to="none", save_strategy="no",
-                use_cpu=True, bf16=False, seed=0, **kw)
+                use_cpu=TEST_DEVICE == "cpu", bf16=False, seed=0, **kw)
 
 
 def test_two_off_policy_steps_log_our_metrics(tiny_model, tmp_path):
