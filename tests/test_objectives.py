@@ -56,13 +56,14 @@ def test_algorithm_table(ratio, adv, ppo, ce75, ce50):
 
 
 def random_batch(B=16, T=24, spread=0.6, seed=0):
+    # drawn on the CPU whatever the test device, so every device sees the same numbers
     g = torch.Generator().manual_seed(seed)
-    old = -torch.rand(B, T, generator=g) * 3
-    lp = old + torch.randn(B, T, generator=g) * spread
-    adv = torch.randn(B, generator=g)
-    lens = torch.randint(1, T + 1, (B,), generator=g)
-    mask = (torch.arange(T)[None] < lens[:, None]).to(torch.float64)
-    return lp, old, adv, mask
+    old = -torch.rand(B, T, generator=g, device="cpu") * 3
+    lp = old + torch.randn(B, T, generator=g, device="cpu") * spread
+    adv = torch.randn(B, generator=g, device="cpu")
+    lens = torch.randint(1, T + 1, (B,), generator=g, device="cpu")
+    mask = (torch.arange(T, device="cpu")[None] < lens[:, None]).to(torch.float64)
+    return tuple(t.to(TEST_DEVICE) for t in (lp, old, adv, mask))
 
 
 def grads(fn, lp, *args, **kw):
@@ -288,12 +289,12 @@ def test_registering_a_plain_autograd_objective():
 def _cov_batch(seed: int, B: int = 8, T: int = 40):
     """Token-level advantages and log-probs spread enough that many tokens have covariance in (1, 5)."""
     g = torch.Generator().manual_seed(seed)
-    lp = -torch.rand(B, T, generator=g, dtype=torch.float64) * 4 - 0.05
-    old = lp + torch.randn(B, T, generator=g, dtype=torch.float64) * 0.3
-    adv = torch.randn(B, T, generator=g, dtype=torch.float64) * 2
-    lengths = torch.randint(T // 3, T + 1, (B,), generator=g)
-    mask = torch.arange(T)[None, :] < lengths[:, None]
-    return lp, old, adv, mask
+    lp = -torch.rand(B, T, generator=g, dtype=torch.float64, device="cpu") * 4 - 0.05
+    old = lp + torch.randn(B, T, generator=g, dtype=torch.float64, device="cpu") * 0.3
+    adv = torch.randn(B, T, generator=g, dtype=torch.float64, device="cpu") * 2
+    lengths = torch.randint(T // 3, T + 1, (B,), generator=g, device="cpu")
+    mask = torch.arange(T, device="cpu")[None, :] < lengths[:, None]
+    return tuple(t.to(TEST_DEVICE) for t in (lp, old, adv, mask))
 
 
 def _verl_cov_config(eps_low: float = 0.2, eps_high: float = 0.2, **policy_loss):
