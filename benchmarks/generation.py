@@ -6,9 +6,9 @@
     python benchmarks/generation.py --quick    # smoke test: the tiny model, 1 round of 2 x 2, into runs/generation_quick
 
 The work is one step of ``benchmarks/step_throughput.py``: 8 arithmetic prompts x 8 samples at temperature 1,
-<= 64 new tokens, through :class:`cegppo.engine.rollout.HFRollout` and :class:`cegppo.engine.vllm_rollout.VLLMRollout`
+<= 64 new tokens, through :class:`cegppo.engine.rollout.HFGenerator` and :class:`cegppo.engine.vllm_rollout.VLLMGenerator`
 (the trainer's engines), and through plain ``generate(do_sample=True)`` on each prompt repeated n times (what
-TRL's GRPO trainer does, and what ``HFRollout`` did before it shared each prompt's prefill and drew its samples by
+TRL's GRPO trainer does, and what ``HFGenerator`` did before it shared each prompt's prefill and drew its samples by
 inverse CDF), alternating, after one warm-up batch each. Tokens counted are response tokens through the first
 EOS. Where vLLM is not installed, only the two HF engines are measured (and the report says so). Writes
 ``generation.{json,md}`` to ``--out`` with the commit, the command, the date and the machine.
@@ -48,7 +48,7 @@ def main() -> None:
     from cegppo.config import load_config
     from cegppo.engine.components import DataOrder, load_splits
     from cegppo.engine.models import load_model
-    from cegppo.engine.rollout import HFRollout, Sampling, encode_prompts, rollout_batch
+    from cegppo.engine.rollout import HFGenerator, Sampling, encode_prompts, rollout_batch
     from cegppo.io import atomic_write_json, atomic_write_text
 
     prov = provenance("generation.py", "bf16" if args.dtype == "bfloat16" else "fp32")
@@ -61,7 +61,7 @@ def main() -> None:
     model, tok = load_model(args.model, dtype="float32", device=args.device)
     dtype = getattr(torch, args.dtype)
     t0 = time.perf_counter()
-    engines = {"hf": HFRollout(model, tok, 256, dtype)}
+    engines = {"hf": HFGenerator(model, tok, 256, dtype)}
     init = {"hf": time.perf_counter() - t0, "hf-generate": 0.0}
 
     class PlainGenerate:  # HF generate on the n copies of each prompt, sampled by torch.multinomial
@@ -81,10 +81,10 @@ def main() -> None:
 
     engines["hf-generate"] = PlainGenerate()
     if has_vllm:
-        from cegppo.engine.vllm_rollout import VLLMRollout
+        from cegppo.engine.vllm_rollout import VLLMGenerator
 
         t0 = time.perf_counter()
-        engines["vllm"] = VLLMRollout(model, tok, 256, args.max_new_tokens, dtype)
+        engines["vllm"] = VLLMGenerator(model, tok, 256, args.max_new_tokens, dtype)
         init["vllm"] = time.perf_counter() - t0
     sampling = Sampling(1.0, 1.0, 0, args.max_new_tokens)
     rows = []
@@ -119,7 +119,7 @@ def main() -> None:
           "| engine | generated tok/s | mean tokens per batch | engine start |", "|---|---|---|---|"]
     md += [f"| {name} | {s['tok_s']:.0f} | {s['mean_tokens']:.0f} | {s['init_s']:.1f} s |" for name, s in summary.items()]
     md += ["", "`hf-generate`: `generate(do_sample=True)` on each prompt repeated n times (TRL's way); `hf`: "
-           "`HFRollout` (one prefill per prompt, inverse-CDF sampling).", "",
+           "`HFGenerator` (one prefill per prompt, inverse-CDF sampling).", "",
            f"**hf / hf-generate: {hf_gain:.2f}x** generated tokens per second."]
     if ratio is None:
         md += ["", "vLLM is not installed here: the vLLM / HF ratio was not measured.", ""]

@@ -39,14 +39,14 @@ from pathlib import Path
 
 import torch
 
-from cegppo.algorithm.logprobs import sequence_token_stats
+from cegppo.engine.model_forward import sequence_token_stats
 from cegppo.algorithm.objectives import aggregate, get_objective
 from cegppo.algorithm.policy_loss import policy_loss
 from cegppo.cli import _resolve_config
 from cegppo.config import load_config
 from cegppo.engine.components import build_policy, load_splits
 from cegppo.engine.precision import fast_bf16
-from cegppo.engine.rollout import HFRollout, Sampling
+from cegppo.engine.rollout import HFGenerator, Sampling
 from cegppo.engine.sft import sft_batch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -203,7 +203,7 @@ def main() -> None:
     g = torch.Generator().manual_seed(args.seed)
     sft_batches = [sft_batch(tok, [train[i] for i in torch.randint(len(train), (cfg.sft.batch_size,), generator=g).tolist()])
                    for _ in range(args.batches)]
-    engine = HFRollout(model, tok, cfg.rollout.max_prompt_tokens, torch.float32)
+    engine = HFGenerator(model, tok, cfg.rollout.max_prompt_tokens, torch.float32)
     sampling = Sampling(temperature=cfg.rollout.temperature, max_new_tokens=cfg.rollout.max_new_tokens)
     rl_batches = []
     for b in range(args.batches):

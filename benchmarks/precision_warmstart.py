@@ -28,7 +28,7 @@ from pathlib import Path
 
 import torch
 
-from cegppo.algorithm.logprobs import sequence_token_stats
+from cegppo.engine.model_forward import sequence_token_stats
 from cegppo.algorithm.objectives import aggregate
 from cegppo.cli import _resolve_config
 from cegppo.config import load_config

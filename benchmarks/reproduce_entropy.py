@@ -39,13 +39,13 @@ import torch
 from cegppo.algorithm.advantages import group_advantages
 from cegppo.data.problems import Problem
 from cegppo.io import atomic_write_json, atomic_write_text
-from cegppo.algorithm.logprobs import sequence_token_stats
+from cegppo.engine.model_forward import sequence_token_stats
 from cegppo.engine.models import load_model
 from cegppo.engine.precision import fast_bf16
 from cegppo.algorithm.objectives import get_objective
 from cegppo.algorithm.policy_loss import policy_loss
 from cegppo.data.rewards import load_reward
-from cegppo.engine.rollout import HFRollout, RolloutBatch, Sampling
+from cegppo.engine.rollout import HFGenerator, RolloutBatch, Sampling
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import RESULTS, in_checkout, load_now, provenance, provenance_line, quick_out  # noqa: E402
@@ -147,7 +147,7 @@ def update(model, theta0, objective, batch, old_lp, adv, args) -> dict:
 def part_a(args, model, tok) -> tuple[list[dict], dict]:
     train, heldout = addition_problems(2, 12, args.seed)
     reward = load_reward("math-lenient")
-    engine = HFRollout(model, tok, max_prompt_tokens=args.max_prompt_tokens,
+    engine = HFGenerator(model, tok, max_prompt_tokens=args.max_prompt_tokens,
                        dtype=torch.bfloat16 if BF16 else torch.float32)
     sampling = Sampling(temperature=args.temperature, top_p=1.0, top_k=0, max_new_tokens=args.max_new_tokens)
     torch.manual_seed(args.seed)

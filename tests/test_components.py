@@ -1,5 +1,5 @@
-"""Direct tests of the building blocks: advantages and reward shaping, every term of the policy loss, the rollout
-engine's padding and masks, the SFT batch, the data order, and the package's layering."""
+"""Direct tests of the building blocks: advantages and reward shaping, every term of the policy loss, the
+generator's padding and masks, the SFT batch, the data order, and the package's layering."""
 
 from __future__ import annotations
 
@@ -126,7 +126,7 @@ def tiny():
 
 
 def test_prompts_are_left_padded_and_responses_masked_through_first_eos(tiny):
-    from cegppo.engine.rollout import HFRollout, Sampling, encode_prompts, response_mask_from
+    from cegppo.engine.rollout import HFGenerator, Sampling, encode_prompts, response_mask_from
 
     model, tok = tiny
     prompts = [[{"role": "user", "content": "1+1?"}], [{"role": "user", "content": "What is 12 + 30 - 4?"}]]
@@ -138,25 +138,25 @@ def test_prompts_are_left_padded_and_responses_masked_through_first_eos(tiny):
     mask, truncated = response_mask_from(responses, [eos])
     assert mask.tolist() == [[1, 1, 1, 0, 0], [1, 1, 1, 1, 1]] and truncated.tolist() == [False, True]
 
-    engine = HFRollout(model, tok, 512, torch.float32)
+    generator = HFGenerator(model, tok, 512, torch.float32)
     torch.manual_seed(0)
-    rb = engine.generate(prompts, 3, Sampling(1.0, 1.0, 0, 12))
+    rb = generator.generate(prompts, 3, Sampling(1.0, 1.0, 0, 12))
     assert rb.input_ids.shape[0] == 6 and rb.response_len <= 12
     resp = rb.input_ids[:, -rb.response_len:]
     assert (resp[rb.response_mask == 0] == tok.pad_token_id).all()  # nothing after the first EOS survives
     assert torch.equal(rb.attention_mask[:, -rb.response_len:], rb.response_mask)
     for row, m, trunc in zip(resp, rb.response_mask, rb.truncated):
         n = int(m.sum())
-        assert trunc or row[n - 1].item() in engine.eos
+        assert trunc or row[n - 1].item() in generator.eos
 
 
 def test_rollout_batches_concatenate(tiny):
-    from cegppo.engine.rollout import HFRollout, RolloutBatch, Sampling
+    from cegppo.engine.rollout import HFGenerator, RolloutBatch, Sampling
 
     model, tok = tiny
-    engine = HFRollout(model, tok, 512, torch.float32)
-    a = engine.generate([[{"role": "user", "content": "1+1?"}]], 2, Sampling(1.0, 1.0, 0, 4))
-    b = engine.generate([[{"role": "user", "content": "What is 123 * 456 + 7?"}]], 2, Sampling(1.0, 1.0, 0, 9))
+    generator = HFGenerator(model, tok, 512, torch.float32)
+    a = generator.generate([[{"role": "user", "content": "1+1?"}]], 2, Sampling(1.0, 1.0, 0, 4))
+    b = generator.generate([[{"role": "user", "content": "What is 123 * 456 + 7?"}]], 2, Sampling(1.0, 1.0, 0, 9))
     c = RolloutBatch.concat([a, b], tok.pad_token_id)
     assert c.input_ids.shape == c.attention_mask.shape and c.texts == a.texts + b.texts
     assert c.response_len == max(a.response_len, b.response_len)
@@ -227,19 +227,19 @@ def test_run_json_records_command_and_commit(tiny_config):
     assert record["command"] and record["cegppo_version"]
 
 
-def test_rollout_engine_shares_the_policy_only_in_its_dtype(tiny):
-    from cegppo.engine.rollout import HFRollout, Sampling
+def test_hf_generator_shares_the_policy_only_in_its_dtype(tiny):
+    from cegppo.engine.rollout import HFGenerator, Sampling
 
     model, tok = tiny
     model.train()
-    same = HFRollout(model, tok, 512, torch.float32)
+    same = HFGenerator(model, tok, 512, torch.float32)
     assert same.model is model  # no second copy of the weights to hold or to sync
     same.generate([[{"role": "user", "content": "1+1?"}]], 2, Sampling(1.0, 1.0, 0, 4))
     assert model.training  # generation ran in eval mode and left the policy as it found it
-    kept = HFRollout(model, tok, 512, torch.bfloat16, release=False)
+    kept = HFGenerator(model, tok, 512, torch.bfloat16, release=False)
     assert kept.model is not model and next(kept.model.parameters()).dtype == torch.bfloat16
     assert next(model.parameters()).dtype == torch.float32  # the policy was not cast
-    released = HFRollout(model, tok, 512, torch.bfloat16)  # the default: weights held only while generating
+    released = HFGenerator(model, tok, 512, torch.bfloat16)  # the default: weights held only while generating
     assert sum(p.numel() for p in released.model.parameters()) == 0
     with torch.no_grad():
         for p in model.parameters():
@@ -257,7 +257,7 @@ def test_rollout_engine_shares_the_policy_only_in_its_dtype(tiny):
 def test_token_stats_compute_only_the_columns_their_rows_use(tiny_config):
     """The trainer's micro-batch forward is cut to its rows' longest prompt and response: the same log-probs and
     entropies as on the whole padded batch, zeros past the cut; micro-batches group rows of similar length."""
-    from cegppo.algorithm.logprobs import sequence_token_stats
+    from cegppo.engine.model_forward import sequence_token_stats
     from cegppo.engine.trainer import Trainer
 
     with Trainer(tiny_config("train.steps=1", "rollout.max_new_tokens=24", "train.micro_batch_size=3")) as tr:

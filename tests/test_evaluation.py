@@ -32,8 +32,8 @@ def test_majority_vote():
     assert majority_correct([None, "7", None], [False, True, False])  # no answer never wins
 
 
-class ScriptedEngine:
-    """Test double for a RolloutEngine: replays fixed responses per prompt text."""
+class ScriptedGenerator:
+    """Test double for a Generator: replays fixed responses per prompt text."""
 
     def __init__(self, responses: dict[str, list[str]]):
         self.responses = responses
@@ -52,12 +52,12 @@ def test_avg_pass_maj_on_scripted_answers():
     probs = [Problem(id="a", messages=[{"role": "user", "content": "qa"}], answer="4", data_source="s1"),
              Problem(id="b", messages=[{"role": "user", "content": "qb"}], answer="9", data_source="s1"),
              Problem(id="c", messages=[{"role": "user", "content": "qc"}], answer="1", data_source="s2")]
-    engine = ScriptedEngine({
+    generator = ScriptedGenerator({
         "qa": ["\\boxed{4}", "\\boxed{5}", "\\boxed{4}", "no box 4"],   # 2/4 correct, maj 4 -> correct
         "qb": ["\\boxed{9}", "\\boxed{8}", "\\boxed{8}", "\\boxed{7}"],  # 1/4, maj 8 -> wrong
         "qc": ["\\boxed{2}", "\\boxed{3}", "\\boxed{2}", "\\boxed{5}"],  # 0/4
     })
-    res = evaluate(engine, probs, load_reward("math-strict"), k=4, sampling=Sampling(0.6, 0.95))
+    res = evaluate(generator, probs, load_reward("math-strict"), k=4, sampling=Sampling(0.6, 0.95))
     s1, s2 = res.summary["s1"], res.summary["s2"]
     assert s1["avg@k"] == pytest.approx((0.5 + 0.25) / 2)
     assert s1["pass@k"] == pytest.approx(1.0)
@@ -71,8 +71,8 @@ def test_eval_deduplicates_repeated_prompts(aime24_x32):
     # the authors' release repeats each AIME problem 32 times; `aime24_x32` rebuilds that layout
     probs = load_problems(aime24_x32)
     assert len(probs) == 30 and all(p.copies == 32 for p in probs)
-    engine = ScriptedEngine({p.messages[-1]["content"]: [f"\\boxed{{{p.answer}}}"] * 2 for p in probs})
-    res = evaluate(engine, probs, load_reward("math-strict"), k=2)
+    generator = ScriptedGenerator({p.messages[-1]["content"]: [f"\\boxed{{{p.answer}}}"] * 2 for p in probs})
+    res = evaluate(generator, probs, load_reward("math-strict"), k=2)
     assert len(res.rows) == 30
     assert res.headline("avg@k") == 1.0
 

@@ -64,7 +64,7 @@ def test_eval_with_some_failures_counts_them_and_succeeds(tmp_path, capsys, capl
 
 
 class Echo:
-    """A rollout engine that answers each prompt with fixed texts (evaluate's grading, without a model)."""
+    """A generator that answers each prompt with fixed texts (evaluate's grading, without a model)."""
 
     def generate(self, prompts, n, sampling, on_token=None):
         class Batch:

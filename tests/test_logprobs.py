@@ -40,7 +40,8 @@ def test_bf16_logits_give_fp32_stats():
 # ----------------------------------------------------------------------------------------------------
 # linear_token_stats: the LM head fused into the chunked log-prob / entropy
 
-from cegppo.algorithm.logprobs import fused_chunk_rows, linear_token_stats, sequence_token_stats  # noqa: E402
+from cegppo.algorithm.logprobs import fused_chunk_rows, linear_token_stats  # noqa: E402
+from cegppo.engine.model_forward import sequence_token_stats  # noqa: E402
 
 
 def _plain_stats(hidden, weight, bias, tokens, temperature):
@@ -229,7 +230,7 @@ def test_trainer_step_with_fused_lm_head_matches(tiny_config, tmp_path):
 
 
 def test_fused_head_auto_is_on_only_for_plain_lm_heads(tiny_model, monkeypatch):
-    from cegppo.algorithm.logprobs import fused_head_supported
+    from cegppo.engine.model_forward import fused_head_supported
 
     assert fused_head_supported(tiny_model)  # qwen2: logits = lm_head(hidden)
     monkeypatch.setattr(tiny_model.config, "model_type", "gemma2")  # soft-capped logits: the plain path

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from cegppo.algorithm.logprobs import sequence_token_stats
+from cegppo.engine.model_forward import sequence_token_stats
 from cegppo.algorithm.objectives import aggregate
 from cegppo.config import SFTConfig
 from cegppo.data.tasks import make_task

@@ -1,4 +1,4 @@
-"""HFRollout's fast paths draw what Hugging Face ``generate`` draws: the inverse-CDF sampler samples the softmax of
+"""HFGenerator's fast paths draw what Hugging Face ``generate`` draws: the inverse-CDF sampler samples the softmax of
 the processed scores, the warpers are HF's own in ``generate``'s order, and the shared prefill with its static
 cache produces the tokens that ``generate`` on each prompt repeated n times produces, greedy and sampled."""
 
@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from cegppo.engine.rollout import HFRollout, Sampling, _InverseCDFSampler, encode_prompts, sampling_processors
+from cegppo.engine.rollout import HFGenerator, Sampling, _InverseCDFSampler, encode_prompts, sampling_processors
 
 PROMPTS = [[{"role": "user", "content": "1+1?"}],
            [{"role": "system", "content": "Answer in one line, and check the sum twice."},
@@ -69,14 +69,14 @@ def test_shared_prefill_generates_what_generate_on_the_copies_does(tiny, samplin
     n = 3
     ids, mask = (x.repeat_interleave(n, 0) for x in encode_prompts(tok, PROMPTS, 512))
     assert (mask == 0).any()  # left padding is exercised
-    engine = HFRollout(model, tok, 512, torch.float32)
+    generator = HFGenerator(model, tok, 512, torch.float32)
     torch.manual_seed(1)
-    got = engine.generate(PROMPTS, n, sampling)
+    got = generator.generate(PROMPTS, n, sampling)
     kwargs = dict(logits_processor=LogitsProcessorList(sampling_processors(sampling))) if sampling.temperature else {}
     torch.manual_seed(1)
     want = model.generate(input_ids=ids, attention_mask=mask, do_sample=False, temperature=None, top_p=None,
                           top_k=None, max_new_tokens=sampling.max_new_tokens, pad_token_id=tok.pad_token_id,
-                          eos_token_id=engine.eos, **kwargs)[:, ids.shape[1]:]
+                          eos_token_id=generator.eos, **kwargs)[:, ids.shape[1]:]
     got_tokens = got.input_ids[:, ids.shape[1]:]
     width = got_tokens.shape[1]
     assert width > 1

@@ -27,7 +27,7 @@ from cegppo.engine.checkpoint import MANIFEST, CheckpointError, verify_checkpoin
 from cegppo.engine.components import build_policy, build_reward, load_splits, step_seed
 from cegppo.engine.evaluation import EvalResult, evaluate
 from cegppo.engine.precision import resolve_device, resolve_dtype, resolve_precision
-from cegppo.engine.rollout import HFRollout, Sampling
+from cegppo.engine.rollout import HFGenerator, Sampling
 from cegppo.engine.rundir import RunInterrupted, TrainingError
 from cegppo.engine.sft import supervised_warmup
 from cegppo.engine.trainer import Trainer
@@ -165,7 +165,7 @@ def train_loop(trainer: Trainer, on_step: Callable[[Trainer, dict], None] | None
 
 
 def warm_start(trainer: Trainer, steps: int | None = None) -> list[float]:
-    """The supervised warm-start (``sft.*``) of the trainer's policy, then the rollout engine takes its weights."""
+    """The supervised warm-start (``sft.*``) of the trainer's policy, then the generator takes its weights."""
     cfg = trainer.cfg
     n = cfg.sft.steps if steps is None else steps
     bar = Progress("cegppo sft (warm-start)", n, unit="step", enabled=cfg.logging.progress)
@@ -356,13 +356,13 @@ def run_eval(req: EvalRequest) -> EvalResult:
     device = resolve_device(req.device, key="--device")
     model, tok = build_policy(req.model, key="--model", device=device)
     check_prompt_budget(tok, problems, req.max_prompt_tokens, key="--max-prompt-tokens")
-    # generation only: the engine runs on the loaded model itself, cast in place
-    engine = HFRollout(model, tok, req.max_prompt_tokens, dtype=getattr(torch, resolve_dtype(req.dtype, device)),
-                       copy=False)
+    # generation only: the generator runs on the loaded model itself, cast in place
+    generator = HFGenerator(model, tok, req.max_prompt_tokens,
+                            dtype=getattr(torch, resolve_dtype(req.dtype, device)), copy=False)
     torch.manual_seed(req.seed)
     progress = Progress("cegppo eval", len(problems), unit="problem")
     try:
-        return evaluate(engine, problems, reward, req.k, req.sampling, batch_prompts=req.batch_prompts,
+        return evaluate(generator, problems, reward, req.k, req.sampling, batch_prompts=req.batch_prompts,
                         progress=progress)
     finally:
         progress.close()

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from cegppo.algorithm.logprobs import sequence_token_stats
+from cegppo.engine.model_forward import sequence_token_stats
 from cegppo.engine.precision import autocast
 from cegppo.engine.rollout import RolloutBatch
 

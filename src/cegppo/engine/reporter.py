@@ -8,7 +8,7 @@ from typing import Any, Callable, Protocol
 
 class Reporter(Protocol):
     """Progress of ``total`` units of work: ``phase`` names what runs now, ``heartbeat`` reports inside it,
-    ``advance`` moves on with figures to show; ``on_token`` is a rollout engine's per-token callback or None."""
+    ``advance`` moves on with figures to show; ``on_token`` is a generator's per-token callback or None."""
 
     def phase(self, text: str) -> None: ...
 
@@ -23,7 +23,7 @@ class Reporter(Protocol):
 
 
 class Silent:
-    """A reporter that shows nothing (no per-token callback, so engines skip their streamer)."""
+    """A reporter that shows nothing (no per-token callback, so generators skip their streamer)."""
 
     on_token = None
 

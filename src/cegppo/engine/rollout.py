@@ -1,11 +1,11 @@
-"""Rollout: turn chat prompts into sampled responses, behind a small interface so other engines can plug in.
+"""Rollout: turn chat prompts into sampled responses, behind a small interface so other generators can plug in.
 
-A backend implements :class:`RolloutEngine`: ``generate(prompts, n, sampling) -> RolloutBatch`` and
-``sync(policy)`` (copy the trained weights in). :class:`HFRollout` uses Hugging Face ``generate`` with the
+A backend implements :class:`Generator`: ``generate(prompts, n, sampling) -> RolloutBatch`` and
+``sync(policy)`` (copy the trained weights in). :class:`HFGenerator` uses Hugging Face ``generate`` with the
 KV cache. Where the generation dtype differs from the policy's (bf16 where bf16 is fast: a GPU, a CPU with
-native bf16) it runs on a separate copy of the policy in that dtype, the way vLLM is a separate engine in verl;
+native bf16) it runs on a separate copy of the policy in that dtype, the way verl runs vLLM beside its trainer;
 where it is the same (fp32 on AVX2-only CPUs) it runs on the policy itself: no second copy of the weights to hold
-or to sync. The log-probs that enter the objective are recomputed by the trained policy, so the engine's
+or to sync. The log-probs that enter the objective are recomputed by the trained policy, so the generator's
 precision only changes which samples are drawn.
 """
 
@@ -38,7 +38,7 @@ class RolloutBatch:
     response_mask: Tensor  # [B, T]: response tokens up to and including the first EOS
     texts: list[str]  # decoded responses (special tokens stripped)
     truncated: Tensor  # [B] bool: no EOS within max_new_tokens
-    sampled_log_prob: Tensor | None = None  # [B, T]: the engine's log-probs of the sampled tokens (vLLM), else None
+    sampled_log_prob: Tensor | None = None  # [B, T]: the generator's log-probs of the sampled tokens (vLLM), else None
 
     @property
     def response_len(self) -> int:
@@ -73,7 +73,7 @@ class RolloutBatch:
         return prompt.tolist(), self.response_mask.sum(-1).tolist()
 
     def to(self, device: torch.device | str) -> "RolloutBatch":
-        """The batch's tensors on ``device`` (the trainer's: the engines return host tensors)."""
+        """The batch's tensors on ``device`` (the trainer's: the generators return host tensors)."""
         return replace(self, **{f.name: getattr(self, f.name).to(device) for f in fields(self)
                                 if isinstance(getattr(self, f.name), Tensor)})
 
@@ -89,7 +89,7 @@ class RolloutBatch:
 OnToken = Callable[[int, int], None]  # (tokens generated so far per sequence, max_new_tokens)
 
 
-class RolloutEngine(Protocol):
+class Generator(Protocol):
     def generate(self, prompts: list[list[dict]], n: int, sampling: Sampling,
                  on_token: OnToken | None = None) -> RolloutBatch: ...
 
@@ -124,7 +124,7 @@ def response_mask_from(responses: Tensor, eos: list[int]) -> tuple[Tensor, Tenso
 
 def rollout_batch(tokenizer, prompt_ids: Tensor, prompt_mask: Tensor, responses: Tensor, eos: list[int],
                   sampled_log_prob: Tensor | None = None) -> RolloutBatch:
-    """A batch from each row's left-padded prompt and right-padded raw response (an engine's output): everything
+    """A batch from each row's left-padded prompt and right-padded raw response (a generator's output): everything
     after a response's first EOS becomes padding, and the masks, truncation flags and texts follow from that."""
     response_mask, truncated = response_mask_from(responses, eos)
     responses = torch.where(response_mask.bool(), responses, tokenizer.pad_token_id)
@@ -208,7 +208,7 @@ def _empty_copy(model: torch.nn.Module) -> torch.nn.Module:
             p.data = d
 
 
-class HFRollout:
+class HFGenerator:
     """Hugging Face ``generate`` (batched, left padding) in ``dtype``, with one prefill per prompt shared by its
     samples, a static KV cache and inverse-CDF sampling (:meth:`_prefill`, :class:`_InverseCDFSampler`; measured
     in docs/speed.md).

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from cegppo.algorithm.logprobs import sequence_token_stats
+from cegppo.engine.model_forward import sequence_token_stats
 from cegppo.algorithm.objectives import aggregate
 from cegppo.config import SFTConfig
 from cegppo.data.problems import Problem

@@ -18,7 +18,7 @@ from torch import Tensor
 from cegppo.algorithm.advantages import group_advantages, mixed_groups, overlong_penalty
 from cegppo.algorithm.diagnostics import MetricAccumulator
 from cegppo.algorithm.entropy_control import build_adaptive_entropy, build_controller
-from cegppo.algorithm.logprobs import fused_head_supported
+from cegppo.engine.model_forward import fused_head_supported
 from cegppo.algorithm.objectives import get_objective
 from cegppo.algorithm.policy_loss import policy_loss
 from cegppo.config import Config, check_data, check_prompt_budget

