@@ -78,3 +78,11 @@ def gspo_token(log_prob, old_log_prob, advantages, mask, eps_low=3e-4, eps_high=
     seq = (log_r * m).sum(-1, keepdim=True) / m.sum(-1, keepdim=True).clamp(min=1.0)
     s = torch.exp(seq.detach() + log_prob - log_prob.detach())
     return torch.maximum(-adv * s, -adv * s.clamp(1 - eps_low, 1 + eps_high))
+
+
+def erc_where(per_token_loss, entropy, old_entropy, mask, low=0.95, high=1.05):
+    """ERC as Kwai-Klear/ERC's ``gppo_erc`` / ``grpo_erc`` write it: the entropy ratio's band keeps the gradient,
+    outside it the loss is detached (value kept)."""
+    entropy_ratio = (entropy + 1e-8) / (old_entropy + 1e-8)
+    balanced = ((entropy_ratio > low) & (entropy_ratio < high)) & mask.bool()
+    return torch.where(balanced, per_token_loss, per_token_loss.detach())

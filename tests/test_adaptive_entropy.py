@@ -129,13 +129,13 @@ def test_trainer_applies_the_bonus_it_logs_and_resumes_exactly(tiny_config, tmp_
     from cegppo.io import read_jsonl
 
     seen = []
-    policy_loss = trainer_module.policy_loss
+    entropy_coeff = trainer_module.Trainer.entropy_coeff
 
-    def recording_policy_loss(*args, **kwargs):
-        seen.append(kwargs["entropy_coeff"])
-        return policy_loss(*args, **kwargs)
+    def recording_entropy_coeff(self):  # called once per loss pass, in the loss expression of Trainer.update
+        seen.append(entropy_coeff(self))
+        return seen[-1]
 
-    monkeypatch.setattr(trainer_module, "policy_loss", recording_policy_loss)
+    monkeypatch.setattr(trainer_module.Trainer, "entropy_coeff", recording_entropy_coeff)
     with trainer_module.Trainer(tiny_config("train.steps=4", "train.save_every=2", "train.mini_batches=2",
                                             "algorithm.entropy_coeff=0.001", *ADAPTIVE, out=tmp_path / "full")) as full:
         rows = train_loop(full)

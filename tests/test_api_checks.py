@@ -26,7 +26,28 @@ import reference  # noqa: E402
 from cegppo.algorithm.advantages import group_advantages  # noqa: E402
 from cegppo.algorithm.checks import check_normaliser, nan_unless_positive  # noqa: E402
 from cegppo.algorithm.objectives import AGGREGATIONS, OBJECTIVES, aggregate, get_objective  # noqa: E402
-from cegppo.algorithm.policy_loss import k3_kl, policy_loss  # noqa: E402
+from cegppo.algorithm.policy_loss import (aggregator, correct_nll, entropy_bonus, entropy_metrics,  # noqa: E402
+                                         k3_kl, kl_penalty, policy_loss)
+
+# which public function takes (and so checks) each argument of the full loss
+TAKES = {"old_log_prob": "policy_loss", "advantages": "policy_loss", "mask": "policy_loss",
+         "token_weights": "policy_loss", "entropy": "entropy_bonus", "collision": "entropy_metrics",
+         "ref_log_prob": "kl_penalty", "kl_weights": "kl_penalty", "correct": "correct_nll",
+         "num_tokens": "aggregator", "num_seqs": "aggregator", "num_correct_tokens": "correct_nll"}
+
+
+def full_loss(objective, *, log_prob, old_log_prob, advantages, mask, agg, num_tokens, num_seqs, token_weights,
+              entropy, collision, entropy_coeff, ref_log_prob, kl_coeff, kl_weights, correct, positive_loss_coeff,
+              num_correct_tokens):
+    """The full loss as cegppo's trainer writes it (Trainer.update): one expression of the public terms."""
+    reduce = aggregator(agg, num_tokens=num_tokens, num_seqs=num_seqs)
+    pg, metrics = policy_loss(objective, log_prob, old_log_prob, advantages, mask, reduce=reduce,
+                              token_weights=token_weights)
+    loss = (pg + positive_loss_coeff * correct_nll(log_prob, mask, correct, num_tokens=num_correct_tokens)
+            + kl_coeff * kl_penalty(log_prob, ref_log_prob, mask, reduce=reduce, weights=kl_weights)
+            - entropy_coeff * entropy_bonus(entropy, mask, reduce=reduce))  # (every term built: all are checked)
+    metrics |= entropy_metrics(objective, log_prob, old_log_prob, advantages, mask, entropy, collision=collision)
+    return loss, metrics
 
 _DEEP = int(os.environ.get("CEGPPO_FUZZ_EXAMPLES", "0"))
 PROPS = settings(max_examples=_DEEP or 60, deadline=None, suppress_health_check=[HealthCheck.too_slow],
@@ -98,7 +119,7 @@ def reference_reduce(values, mask, agg, num_tokens=None, num_seqs=None):
 def run(name, kw, **override):
     torch.manual_seed(0)  # clip_cov draws its tokens from the global generator
     lp = kw["log_prob"].clone().requires_grad_(True)
-    loss, metrics = policy_loss(get_objective(name), **{**kw, "log_prob": lp, **override})
+    loss, metrics = full_loss(get_objective(name), **{**kw, "log_prob": lp, **override})
     loss.backward()
     return loss.detach(), lp.grad, metrics
 
@@ -155,8 +176,8 @@ def test_any_wrong_shape_is_refused_naming_the_argument(case, arg, shape):
     B, T = kw["log_prob"].shape
     assume(shape not in allowed_shapes(arg, B, T))
     bad = torch.zeros(shape, dtype=kw[arg].dtype)
-    with pytest.raises(ValueError, match="^" + re.escape(f"policy_loss: {arg} has shape {tuple(shape)}; expected")):
-        policy_loss(get_objective(name), **{**kw, arg: bad})
+    with pytest.raises(ValueError, match="^" + re.escape(f"{TAKES[arg]}: {arg} has shape {tuple(shape)}; expected")):
+        full_loss(get_objective(name), **{**kw, arg: bad})
 
 
 def test_issue_examples_are_refused():
@@ -179,7 +200,6 @@ def test_issue_examples_are_refused():
     ("old_log_prob", torch.zeros(2, 3, dtype=torch.int64), "old_log_prob must be floating"),
     ("advantages", torch.ones(2, dtype=torch.bool), "advantages must be real"),
     ("mask", torch.ones(2, 3, dtype=torch.complex64), "mask must be bool, integer or floating"),
-    ("entropy", torch.ones(2, 3, dtype=torch.int32), "entropy must be floating"),
     ("advantages", [1.0, -1.0], "advantages must be a tensor, got list"),
 ])
 def test_wrong_dtypes_are_refused(arg, value, msg):
@@ -187,6 +207,8 @@ def test_wrong_dtypes_are_refused(arg, value, msg):
               mask=torch.ones(2, 3))
     with pytest.raises(ValueError, match=f"policy_loss: {msg}"):
         policy_loss(get_objective("ce_gppo"), **{**kw, arg: value})
+    with pytest.raises(ValueError, match="entropy_bonus: entropy must be floating"):
+        entropy_bonus(torch.ones(2, 3, dtype=torch.int32), kw["mask"])
 
 
 def test_currently_valid_forms_still_work():
@@ -198,7 +220,7 @@ def test_currently_valid_forms_still_work():
     for adv in (torch.tensor([1, -1]), torch.tensor([[1.0], [-1.0]]), torch.tensor([[1.0] * 3, [-1.0] * 3])):
         for m in (mask, mask.bool(), mask.float()):
             got, _ = policy_loss(obj, lp, lp - 0.1, adv, m, token_weights=torch.ones(2, 3, dtype=torch.bool),
-                                 num_tokens=torch.tensor(3))
+                                 reduce=aggregator(num_tokens=torch.tensor(3)))
             torch.testing.assert_close(got, want)
 
 
@@ -252,8 +274,9 @@ BAD_NORMALISERS = [0, 0.0, -10, -1e-9, math.nan, math.inf, -math.inf, True, "3",
        st.sampled_from(range(len(BAD_NORMALISERS))))
 def test_bad_normalisers_are_refused(case, arg, i):
     name, kw = case
-    with pytest.raises(ValueError, match=rf"^policy_loss: {arg} must be a positive finite number"):
-        policy_loss(get_objective(name), **{**kw, arg: BAD_NORMALISERS[i]})
+    named = "num_tokens" if arg == "num_correct_tokens" else arg  # correct_nll's own normaliser
+    with pytest.raises(ValueError, match=rf"^{TAKES[arg]}: {named} must be a positive finite number"):
+        full_loss(get_objective(name), **{**kw, arg: BAD_NORMALISERS[i]})
 
 
 @pytest.mark.parametrize("arg", ["num_tokens", "num_seqs", "norm_length"])
@@ -276,16 +299,23 @@ def test_num_tokens_examples_of_the_issue():
     lp, mask = torch.zeros(2, 3), torch.ones(2, 3)
     for n in (-10, 0):
         with pytest.raises(ValueError, match=f"num_tokens must be a positive finite number.*got {float(n)!r}"):
-            policy_loss(get_objective("ce_gppo"), lp, lp, torch.ones(2), mask, num_tokens=n)
+            policy_loss(get_objective("ce_gppo"), lp, lp, torch.ones(2), mask, reduce=aggregator(num_tokens=n))
 
 
-@pytest.mark.parametrize("arg,value", [("entropy_coeff", math.nan), ("kl_coeff", math.inf), ("positive_loss_coeff", None),
-                                       ("prob_threshold", 1.5), ("prob_threshold", math.nan), ("agg", "mean"),
-                                       ("reduce", "token-mean")])
-def test_bad_coefficients_are_refused(arg, value):
-    lp = torch.zeros(2, 3)
-    with pytest.raises(ValueError, match=f"policy_loss: .*{arg}|policy_loss: unknown aggregation"):
-        policy_loss(get_objective("ce_gppo"), lp, lp, torch.ones(2), torch.ones(2, 3), **{arg: value})
+@pytest.mark.parametrize("fn,arg,value", [("entropy_metrics", "prob_threshold", 1.5),
+                                          ("entropy_metrics", "prob_threshold", math.nan),
+                                          ("aggregator", "agg", "mean"), ("policy_loss", "reduce", "token-mean")])
+def test_bad_coefficients_are_refused(fn, arg, value):
+    """(The loss's coefficients are plain numbers of the caller's expression; the config schema bounds them.)"""
+    lp, mask = torch.zeros(2, 3), torch.ones(2, 3)
+    obj = get_objective("ce_gppo")
+    with pytest.raises(ValueError, match=f"{fn}: .*{arg}|{fn}: unknown aggregation"):
+        if fn == "entropy_metrics":
+            entropy_metrics(obj, lp, lp, torch.ones(2), mask, lp, prob_threshold=value)
+        elif fn == "aggregator":
+            aggregator(value)
+        else:
+            policy_loss(obj, lp, lp, torch.ones(2), mask, reduce=value)
 
 
 def _bad_hparams(key):

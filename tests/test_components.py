@@ -11,7 +11,8 @@ import torch
 
 from cegppo.algorithm.advantages import group_advantages, mixed_groups, overlong_penalty
 from cegppo.algorithm.objectives import aggregate, get_objective
-from cegppo.algorithm.policy_loss import k3_kl, policy_loss
+from cegppo.algorithm.policy_loss import (aggregator, correct_nll, entropy_bonus, k3_kl, kl_metric, kl_penalty,
+                                         policy_loss)
 
 
 # ------------------------------------------------------------------------------------------ advantages, shaping
@@ -57,10 +58,16 @@ def batch(seed=0, B=6, T=7):
     return lp, old, adv, mask, ent, ref, correct
 
 
-def loss_and_grads(**kw):
+def loss_and_grads(kl_coeff=0.0, entropy_coeff=0.0, positive_loss_coeff=0.0, num_correct_tokens=None):
+    """The full loss as Trainer.update writes it, with these coefficients."""
     lp, old, adv, mask, ent, ref, correct = batch()
-    loss, m = policy_loss(get_objective("ce_gppo"), lp, old, adv, mask, entropy=ent, ref_log_prob=ref,
-                          correct=correct, **kw)
+    reduce = aggregator("token-mean")
+    loss, m = policy_loss(get_objective("ce_gppo"), lp, old, adv, mask, reduce=reduce)
+    nll = correct_nll(lp, mask, correct, num_tokens=num_correct_tokens) if positive_loss_coeff else 0.0
+    kl = kl_penalty(lp, ref, mask, reduce=reduce) if kl_coeff else 0.0
+    bonus = entropy_bonus(ent, mask, reduce=reduce) if entropy_coeff else 0.0
+    loss = loss + positive_loss_coeff * nll + kl_coeff * kl - entropy_coeff * bonus
+    m |= {"kl": kl_metric(lp, ref, mask)} if kl_coeff else {}
     loss.backward()
     return loss.detach(), lp.grad, ent.grad, m, (lp.detach(), old, adv, mask, ent.detach(), ref, correct)
 
@@ -89,7 +96,7 @@ def test_policy_loss_gradients_of_each_term():
     torch.testing.assert_close(g_ent, -0.1 * mask / mask.sum(), rtol=0, atol=1e-12)
     _, g_pos, _, m_pos, _ = loss_and_grads(positive_loss_coeff=0.2, num_correct_tokens=10.0)
     torch.testing.assert_close(g_pos - g_base, -0.2 * mask * correct[:, None] / 10.0, rtol=0, atol=1e-12)
-    assert "positive_loss" in m_pos and "positive_loss" not in m
+    torch.testing.assert_close(m_pos["pg_loss"], m["pg_loss"], rtol=0, atol=0)  # the NLL leaves the objective's term
 
 
 def test_policy_loss_token_weights_and_engine_reduce():
@@ -104,7 +111,7 @@ def test_policy_loss_token_weights_and_engine_reduce():
         seen.append(values.shape)
         return (values * m).sum() * 7.0
 
-    loss, _ = policy_loss(obj, lp, old, adv, mask, reduce=reduce, entropy=ent, entropy_coeff=0.1)
+    loss = policy_loss(obj, lp, old, adv, mask, reduce=reduce)[0] - 0.1 * entropy_bonus(ent, mask, reduce=reduce)
     assert len(seen) == 2  # the objective and the entropy bonus both go through the engine's reduction
     expected = 7.0 * ((obj.token_loss(lp, old, adv, mask) * mask).sum() - 0.1 * (ent * mask).sum())
     torch.testing.assert_close(loss, expected, rtol=0, atol=1e-12)
@@ -210,7 +217,8 @@ def test_default_aggregation_is_the_objectives_own(tiny_config):
     """algorithm.agg unset: GSPO aggregates seq-mean-token-mean (its published form), the rest token-mean."""
     lp, old, adv, mask, *_ = batch()
     gspo = get_objective("gspo")
-    loss, _ = policy_loss(gspo, lp, old, adv, mask, agg=tiny_config().algorithm.agg)
+    loss, _ = policy_loss(gspo, lp, old, adv, mask)  # reduce unset: the objective's own aggregation
+    assert tiny_config().algorithm.agg is None
     want = aggregate(gspo.token_loss(lp, old, adv, mask), mask, "seq-mean-token-mean")
     torch.testing.assert_close(loss, want, rtol=0, atol=1e-12)
     assert tiny_config("algorithm.objective=gspo", "algorithm.hparams={}").algorithm.agg is None

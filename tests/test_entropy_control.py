@@ -223,13 +223,13 @@ def test_trainer_applies_the_bonus_lever_in_its_loss(tiny_config, tmp_path, monk
     import cegppo.engine.trainer as trainer_module
 
     seen = []
+    entropy_coeff = trainer_module.Trainer.entropy_coeff
 
-    def recording_policy_loss(*args, **kwargs):
-        seen.append(kwargs["entropy_coeff"])
-        return policy_loss(*args, **kwargs)
+    def recording_entropy_coeff(self):  # called once per loss pass, in the loss expression of Trainer.update
+        seen.append(entropy_coeff(self))
+        return seen[-1]
 
-    policy_loss = trainer_module.policy_loss
-    monkeypatch.setattr(trainer_module, "policy_loss", recording_policy_loss)
+    monkeypatch.setattr(trainer_module.Trainer, "entropy_coeff", recording_entropy_coeff)
     lever = ["algorithm.entropy_control.enabled=true", "algorithm.entropy_control.target_mode=absolute",
              "algorithm.entropy_control.target=50", "algorithm.entropy_control.bonus_gain=0.1",
              "algorithm.entropy_control.bonus_max=0.02", "algorithm.entropy_coeff=0.001"]

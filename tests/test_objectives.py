@@ -5,7 +5,7 @@ import torch
 
 import reference
 from conftest import TEST_DEVICE
-from cegppo.algorithm.policy_loss import policy_loss
+from cegppo.algorithm.policy_loss import aggregator, policy_loss
 from cegppo.algorithm.objectives import AGGREGATIONS, OBJECTIVES, aggregate, get_objective
 
 
@@ -148,13 +148,14 @@ def test_micro_batch_invariance(agg, name):
     lp, old, adv, mask = random_batch(B=12, spread=0.8, seed=3)
     obj = get_objective(name)
     x = lp.clone().requires_grad_(True)
-    whole, _ = policy_loss(obj, x, old, adv, mask, agg=agg)
+    whole, _ = policy_loss(obj, x, old, adv, mask, reduce=aggregator(agg))
     whole.backward()
     y = lp.clone().requires_grad_(True)
     total = 0.0
     n_tok, n_seq = mask.sum(), mask.shape[0]
     for sl in (slice(0, 5), slice(5, 6), slice(6, 12)):
-        part, _ = policy_loss(obj, y[sl], old[sl], adv[sl], mask[sl], agg=agg, num_tokens=n_tok, num_seqs=n_seq)
+        part, _ = policy_loss(obj, y[sl], old[sl], adv[sl], mask[sl],
+                              reduce=aggregator(agg, num_tokens=n_tok, num_seqs=n_seq))
         part.backward()
         total = total + part.detach()
     torch.testing.assert_close(total, whole.detach(), rtol=1e-12, atol=1e-12)
@@ -355,3 +356,31 @@ def test_cov_objectives_select_the_documented_tokens():
     assert int(zeroed.sum()) == max(1, int(0.05 * m.sum().item()))
     c = (adv - (adv * m).sum() / m.sum()) * (lp - (lp * m).sum() / m.sum())
     assert ((c[zeroed] > 1.0) & (c[zeroed] < 5.0)).all()
+
+
+@pytest.mark.parametrize("objective,ref", [("gppo", "ce_gppo_masked"), ("grpo", "ppo_clip_where")])
+def test_erc_matches_the_authors_gppo_erc_and_grpo_erc(objective, ref):
+    """ERC as a gradient mask on any objective: our policy_loss(..., gradient_mask=entropy_ratio_mask(...)) against
+    the authors' formulation (tests/reference.py::erc_where over the objective's reference), value and gradient;
+    with entropy ratios on both sides of the band."""
+    from cegppo.algorithm.policy_loss import entropy_ratio_mask
+
+    lp, old, adv, mask = random_batch(spread=0.4, seed=5)
+    g = torch.Generator().manual_seed(6)
+    old_ent = torch.rand(lp.shape, generator=g, device="cpu").to(TEST_DEVICE) + 0.1
+    ent = old_ent * (1 + (torch.rand(lp.shape, generator=g, device="cpu").to(TEST_DEVICE) - 0.5) * 0.2)  # ratios 0.9-1.1
+    gate = entropy_ratio_mask(ent, old_ent, mask, 0.95, 1.05)
+    assert 0.2 < gate.double().mean() < 0.8  # both sides of the band are exercised
+    hp = get_objective(objective).hparams
+    x = lp.clone().requires_grad_(True)
+    ours, _ = policy_loss(get_objective(objective), x, old, adv, mask, gradient_mask=gate)
+    ours.backward()
+    y = lp.clone().requires_grad_(True)
+    per_token = (reference.ce_gppo_masked(y, old, adv, hp["eps_low"], hp["eps_high"], hp["beta1"], hp["beta2"],
+                                          hp["clip_ratio_c"]) if ref == "ce_gppo_masked"
+                 else reference.ppo_clip_where(y, old, adv, hp["eps_low"], hp["eps_high"], hp["clip_ratio_c"]))
+    theirs = (reference.erc_where(per_token, ent, old_ent, mask) * mask).sum() / mask.sum()
+    theirs.backward()
+    torch.testing.assert_close(ours, theirs, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(x.grad, y.grad, rtol=1e-12, atol=1e-12)
+    assert (x.grad[~gate] == 0).all() and (x.grad[gate & (mask != 0)] != 0).any()

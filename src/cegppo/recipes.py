@@ -143,6 +143,10 @@ def train_loop(trainer: Trainer, on_step: Callable[[Trainer, dict], None] | None
             row["val/accuracy"] = log_eval(trainer, "periodic", result)["accuracy"]
         trainer.run.log_metrics(row)
         rows.append(row)
+        if trainer.collapse and cfg.train.on_collapse == "stop":  # this step's weights are not saved
+            raise TrainingError(f"step {step}: collapse guard: {'; '.join(trainer.collapse)}; stopping "
+                                f"(train.on_collapse=stop). Last checkpoint: "
+                                f"{ckpt.latest_valid_checkpoint(trainer.run.checkpoints)}")
         if cfg.train.save_every and step % cfg.train.save_every == 0:
             progress.phase("checkpoint")
             trainer.save()

@@ -5,7 +5,7 @@ Once per RL step, from the token-mean entropy of the step's rollouts (measured b
 
     controller = EntropyController(EntropyControlConfig(enabled=True, target=0.7), beta1=0.75, beta2=1.0)
     out = controller.update(entropy)   # {"beta1", "beta2", "entropy_coeff", "control/beta1", "control/target", ...}
-    objective = get_objective("ce_gppo", **{**hparams, "beta1": out["beta1"], "beta2": out["beta2"]})
+    objective = objective.with_betas(out["beta1"], out["beta2"])
     # and the loss adds the entropy bonus -out["entropy_coeff"] * H (on top of algorithm.entropy_coeff)
 
 The rule (:meth:`EntropyController.update`) is a proportional-integral controller on the relative error of the

@@ -116,6 +116,16 @@ def gspo(log_prob: Tensor, old_log_prob: Tensor, adv: Tensor, mask: Tensor, *, e
     return -adv * torch.where(low, 1.0 - eps_low, torch.where(high, 1.0 + eps_high, token_form))
 
 
+def sapo(log_prob: Tensor, old_log_prob: Tensor, adv: Tensor, mask: Tensor, *, tau_pos: float = 1.0,
+         tau_neg: float = 1.05) -> Tensor:
+    """SAPO (Qwen, arXiv 2511.20347), as TRL 1.16's ``loss_type="sapo"``: a soft gate instead of the hard clip,
+    ``-(4 / tau) sigmoid(tau (r - 1)) A`` with ``tau = tau_pos`` where A > 0, else ``tau_neg``: gradient weight
+    ``4 r sigmoid'(tau (r - 1))``, 1 at r = 1, decaying smoothly as r leaves 1 on either side."""
+    tau = torch.where(adv > 0, tau_pos, tau_neg).to(log_prob.dtype)
+    ratio = log_ratio(log_prob, old_log_prob).exp()
+    return -torch.sigmoid(tau * (ratio - 1)) * 4 / tau * adv
+
+
 def _masked_mean(values: Tensor, mask: Tensor) -> Tensor:
     # verl_F.masked_mean, epsilon included; where, not a product alone, so a masked NaN stays out
     return torch.where(mask != 0, values * mask, 0.0).sum() / (mask.sum() + 1e-8)
@@ -265,6 +275,8 @@ register_objective("kl_cov_paper", kl_cov, dict(kl_cov_ratio=2e-3, ppo_kl_coef=1
                    doc="KL-Cov with the authors' script settings (ratio 2e-3, coef 1)")
 register_objective("gspo", gspo, dict(eps_low=3e-4, eps_high=4e-4), default_agg="seq-mean-token-mean",
                    sequence_level=True, doc="GSPO sequence-level ratio")
+register_objective("sapo", sapo, dict(tau_pos=1.0, tau_neg=1.05), default_agg="seq-mean-token-mean",
+                   doc="SAPO soft gate; TRL 1.16's defaults and aggregation")
 
 
 OPTIONAL_HPARAMS = ("clip_ratio_c",)  # None turns the feature off
@@ -288,6 +300,10 @@ def check_hparams(name: str, hp: dict[str, Any]) -> None:
         v = hp.get(key)
         if key in hp and not (finite(v) and 0.0 < v <= 1.0):
             raise ValueError(f"{name}: {key} must be a number in (0, 1], got {v!r}")
+    for key in ("tau_pos", "tau_neg"):  # SAPO's gate temperatures
+        v = hp.get(key)
+        if key in hp and not (finite(v) and v > 0.0):
+            raise ValueError(f"{name}: {key} must be a finite number > 0, got {v!r}")
     if "ppo_kl_coef" in hp and not (finite(hp["ppo_kl_coef"]) and hp["ppo_kl_coef"] >= 0.0):
         raise ValueError(f"{name}: ppo_kl_coef must be a finite number >= 0, got {hp['ppo_kl_coef']!r}")
     if "clip_cov_lb" in hp or "clip_cov_ub" in hp:
@@ -325,6 +341,11 @@ class Objective:
         hp = self.hparams
         return ClipBounds(hp.get("eps_low", 0.2), hp.get("eps_high", 0.2), hp.get("clip_ratio_c"),
                           self.spec.sequence_level)
+
+    def with_betas(self, beta1: float, beta2: float) -> Objective:
+        """This objective with ``beta1`` / ``beta2`` replaced (the entropy autopilot's per-step betas), checked as
+        :func:`get_objective` checks them."""
+        return get_objective(self.name, **{**self.hparams, "beta1": beta1, "beta2": beta2})
 
     def token_loss(self, log_prob: Tensor, old_log_prob: Tensor, advantages: Tensor, mask: Tensor) -> Tensor:
         """Per-token loss ``[B, T]`` (the negated objective; not masked, not aggregated), differentiable."""

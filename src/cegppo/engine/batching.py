@@ -32,25 +32,35 @@ class Experience:
     rewards: Tensor  # [B]
     correct: Tensor  # [B] bool
     advantages: Tensor  # [B]
+    in_loss: Tensor | None = None  # [B] bool: the rows the loss sees (algorithm.overlong_filter); None: all
     old_log_prob: Tensor | None = None  # [B, T]
+    old_entropy: Tensor | None = None  # [B, T], the sampling policy's (ERC's entropy ratio)
     ref_log_prob: Tensor | None = None  # [B, T]
 
     @property
     def mask(self) -> Tensor:
+        """Every response token (what the rollout metrics and the entropy measure)."""
         return self.rollouts.response_mask.float()
+
+    @property
+    def loss_mask(self) -> Tensor:
+        """The response tokens the loss sees: all of them, or those of the rows ``in_loss`` keeps."""
+        return self.mask if self.in_loss is None else self.mask * self.in_loss[:, None]
 
     def to(self, device: torch.device | str) -> Experience:
         """The step's data on the trainer's device (before any log-probs are filled in)."""
         return Experience(self.rollouts.to(device), self.rewards.to(device), self.correct.to(device),
-                          self.advantages.to(device))
+                          self.advantages.to(device), None if self.in_loss is None else self.in_loss.to(device))
 
     @staticmethod
     def concat(parts: list[Experience], pad_token_id: int) -> Experience:
         """Several generation rounds' kept rows as one batch (before any log-probs are filled in)."""
         if len(parts) == 1:
             return parts[0]
+        in_loss = None if parts[0].in_loss is None else torch.cat([e.in_loss for e in parts])
         return Experience(RolloutBatch.concat([e.rollouts for e in parts], pad_token_id),
-                          *(torch.cat([getattr(e, f) for e in parts]) for f in ("rewards", "correct", "advantages")))
+                          *(torch.cat([getattr(e, f) for e in parts]) for f in ("rewards", "correct", "advantages")),
+                          in_loss)
 
 
 def micro_batches(rb: RolloutBatch, rows: Tensor, max_rows: int, max_tokens: int = 0) -> list[Tensor]:

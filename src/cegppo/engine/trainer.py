@@ -8,35 +8,37 @@ recipe's: :func:`cegppo.recipes.train_loop`.
 from __future__ import annotations
 
 import logging
-import math
 import time
 from pathlib import Path
 
 import torch
 from torch import Tensor
 
-from cegppo.algorithm.advantages import group_advantages, mixed_groups, overlong_penalty
 from cegppo.algorithm.diagnostics import MetricAccumulator
 from cegppo.algorithm.entropy_control import build_adaptive_entropy, build_controller
 from cegppo.engine.model_forward import fused_head_supported
 from cegppo.algorithm.objectives import get_objective
-from cegppo.algorithm.policy_loss import policy_loss
+from cegppo.algorithm.collapse import CollapseGuard
+from cegppo.algorithm.policy_loss import (aggregator, correct_nll, entropy_bonus, entropy_metrics, entropy_ratio_mask,
+                                         kl_metric, kl_penalty, policy_loss, tis_weights)
 from cegppo.config import Config, check_data, check_prompt_budget
 from cegppo.data.tasks import check_task
 from cegppo.engine import checkpoint as ckpt
 from cegppo.engine.components import (DataOrder, build_optimizer, build_policy, build_reference, build_reward,
-                                      build_rollout, configure_torch, load_splits, set_lr, step_seed,
+                                      build_rollout, configure_torch, load_splits, set_lr,
                                       weights_finite)
 from cegppo.engine.batching import Experience, column_token_stats, entropy_mean, entropy_sum, micro_batches
 from cegppo.engine.precision import resolve_device, resolve_precision
 from cegppo.engine.reporter import Reporter, Silent
-from cegppo.engine.rollout import RolloutBatch, Sampling
+from cegppo.engine.collect import collect
+from cegppo.engine.rollout import RolloutBatch
 from cegppo.engine.rundir import RunDir, TrainingError
 from cegppo.faults import failpoint
 
 log = logging.getLogger(__name__)
 
 __all__ = ["Experience", "Trainer", "TrainingError", "entropy_mean"]
+MB_METRICS = ("ppo_kl", "clip/low_frac", "clip/high_frac", "clip/dual_frac")  # per mini-batch: the last one is logged
 
 
 class Trainer:
@@ -85,10 +87,11 @@ class Trainer:
             if any(k == "optim.lr" for k, _, _ in changes):
                 set_lr(self.optimizer, self.scheduler, cfg.optim.lr)
             log.info("resumed from %s at step %d", resume_from, self.state["step"])
-        if self.controller is not None and "entropy_control" in self.state:
-            self.controller.load_state_dict(self.state["entropy_control"])
-        if self.adaptive_bonus is not None and "adaptive_entropy" in self.state:
-            self.adaptive_bonus.load_state_dict(self.state["adaptive_entropy"])
+        self.guard, self.collapse = CollapseGuard(), []  # names a collapse as it starts (train.on_collapse)
+        for key, control in (("entropy_control", self.controller), ("adaptive_entropy", self.adaptive_bonus),
+                             ("collapse_guard", self.guard)):
+            if control is not None and key in self.state:  # the autopilot's or adaptive bonus's state, resumed
+                control.load_state_dict(self.state[key])
         self.state["run_id"] = run_id  # kept in every checkpoint: pruning only touches this run's
         self.state["config"] = cfg.to_dict()  # the config in force, compared on the next --resume
         self.run.truncate_logs(self.state["step"], resumed=resume_from is not None)
@@ -131,7 +134,12 @@ class Trainer:
             for i, mb in enumerate(mini_batches, 1):  # one optimizer step per mini-batch; the later ones are off-policy
                 self.progress.phase(f"update {i}/{len(mini_batches)}")
                 if len(mb):
-                    skipped += not self.update(exp, mb, acc, step, entropy if i == 1 and len(fresh) else None)
+                    applied, mb_metrics = self.update(exp, mb, acc, step, entropy if i == 1 and len(fresh) else None)
+                    metrics.update({f"mb_last/{k}": v for k, v in mb_metrics.items()})
+                    if cfg.train.target_kl and mb_metrics["ppo_kl"] > cfg.train.target_kl:  # PPO's early stop
+                        metrics["train/kl_stopped_at"] = i  # this mini-batch and the rest: no optimizer step
+                        break
+                    skipped += not applied
             metrics["entropy"] = entropy_mean(entropy)  # the rollout policy's, every response
             self.engine.sync(self.model)  # the weights changed: copy them into the rollout engine
         metrics["lr"] = self.optimizer.param_groups[0]["lr"]
@@ -141,23 +149,24 @@ class Trainer:
         self.state["bad_steps"] = self.state["bad_steps"] + 1 if skipped else 0
         self.state["step"] = step
         metrics.update(step=step, **{"time/step_s": time.perf_counter() - t0, "time/rollout_s": t_gen})
+        self.collapse = self.guard.check(metrics) if cfg.train.on_collapse != "off" else []
+        self.state["collapse_guard"] = self.guard.state_dict()
+        metrics["collapse/flag"] = float(bool(self.collapse))
+        for failure in self.collapse:
+            log.warning("step %d: collapse guard: %s", step, failure)
         return metrics
 
     def steer(self, entropy: Tensor) -> dict:
-        """Entropy autopilot (``algorithm.entropy_control``): update the controller from the rollouts' entropy
-        (``[sum, tokens]``, :func:`entropy_sum`), rebuild the objective with its betas (its entropy bonus is read by
-        :meth:`entropy_coeff`), keep its state for the checkpoint; returns the ``control/*`` metrics. The adaptive
-        entropy bonus (``algorithm.adaptive_entropy``) is updated the same way."""
-        if self.adaptive_bonus is not None:
-            out = self.adaptive_bonus.update(entropy_mean(entropy))
-            self.state["adaptive_entropy"] = self.adaptive_bonus.state_dict()
-            return {k: v for k, v in out.items() if k.startswith("control/")}
-        if self.controller is None:
+        """Update the entropy autopilot (``algorithm.entropy_control``: this step's betas; its bonus lever is read by
+        :meth:`entropy_coeff`) or the adaptive bonus (``algorithm.adaptive_entropy``) from the rollouts' entropy
+        (``[sum, tokens]``); keep its state for the checkpoint; return its ``control/*`` metrics."""
+        control = self.adaptive_bonus or self.controller
+        if control is None:
             return {}
-        out = self.controller.update(entropy_mean(entropy))
-        self.objective = get_objective(self.objective.name, **{**self.objective.hparams, "beta1": out["beta1"],
-                                                               "beta2": out["beta2"]})
-        self.state["entropy_control"] = self.controller.state_dict()
+        out = control.update(entropy_mean(entropy))
+        if control is self.controller:
+            self.objective = self.objective.with_betas(out["beta1"], out["beta2"])
+        self.state["adaptive_entropy" if control is self.adaptive_bonus else "entropy_control"] = control.state_dict()
         return {k: v for k, v in out.items() if k.startswith("control/")}
 
     def entropy_coeff(self) -> float:
@@ -167,53 +176,10 @@ class Trainer:
         return self.cfg.algorithm.entropy_coeff + (control.entropy_coeff if control else 0.0)
 
     def collect(self, step: int) -> tuple[Experience | None, dict]:
-        """Generate, grade and compute advantages; with dynamic sampling keep only mixed-reward groups,
-        generating up to ``max_num_gen_batches`` batches to fill ``prompts_per_step`` groups."""
-        cfg, n = self.cfg, self.cfg.rollout.n
-        r, a = cfg.rollout, cfg.algorithm
-        kept: list[Experience] = []
-        kept_groups = 0
-        stats: dict[str, float] = {k: 0.0 for k in ("reward/mean", "reward/accuracy", "reward/failures",
-                                                    "response_length/mean", "response_length/max",
-                                                    "response_length/clip_ratio")}
-        rounds = a.max_num_gen_batches if a.dynamic_sampling else 1
-        for gen_batch in range(rounds):
-            problems = self.data.take(self.state["cursor"], cfg.train.gen_prompts_per_step or cfg.train.prompts_per_step)
-            self.state["cursor"] += len(problems)
-            torch.manual_seed(step_seed(cfg.train.seed, step, f"rollout{gen_batch}"))
-            self.progress.phase(f"generate {len(problems)} x {n}" + (f" (round {gen_batch + 1})" if gen_batch else ""))
-            rollouts = self.engine.generate([p.messages for p in problems], n,
-                                            Sampling(r.temperature, r.top_p, r.top_k, r.max_new_tokens),
-                                            on_token=self.progress.on_token)
-            failpoint("generation", step)
-            graded = self.reward_fn(rollouts.texts, [p.answer for p in problems for _ in range(n)])
-            for msg in graded.failure_messages:
-                log.warning("reward failure at step %d: %s", step, msg)
-            lengths = rollouts.response_mask.sum(-1).float()
-            rewards = torch.tensor(graded.scores, dtype=torch.float32) + overlong_penalty(
-                lengths, r.max_new_tokens, cfg.reward.overlong_buffer, cfg.reward.overlong_penalty)
-            correct = torch.tensor(graded.correct)
-            stats["reward/mean"] += rewards.mean().item()
-            stats["reward/accuracy"] += correct.float().mean().item()
-            stats["reward/failures"] += graded.failures
-            stats["response_length/mean"] += lengths.mean().item()
-            stats["response_length/max"] = max(stats["response_length/max"], lengths.max().item())
-            stats["response_length/clip_ratio"] += rollouts.truncated.float().mean().item()
-            stats["train/num_gen_batches"] = gen_batch + 1
-            adv = group_advantages(rewards, n, a.advantage, a.adv_eps)
-            rows = torch.arange(len(rewards))
-            if a.dynamic_sampling:  # DAPO: only groups whose rewards differ carry a learning signal
-                groups = torch.nonzero(mixed_groups(correct, n)).flatten()[: cfg.train.prompts_per_step - kept_groups]
-                rows = (groups[:, None] * n + torch.arange(n)).flatten()
-            kept_groups += len(rows) // n
-            if len(rows):
-                kept.append(Experience(rollouts.select(rows), rewards[rows], correct[rows], adv[rows]))
-            if kept_groups >= cfg.train.prompts_per_step:
-                break
-        for k in ("reward/mean", "reward/accuracy", "response_length/mean", "response_length/clip_ratio"):
-            stats[k] /= stats["train/num_gen_batches"]
-        stats["train/kept_groups"] = kept_groups
-        return (Experience.concat(kept, self.tokenizer.pad_token_id) if kept else None), stats
+        """This step's experience (:func:`cegppo.engine.collect.collect`), advancing the data cursor."""
+        exp, stats, self.state["cursor"] = collect(self.cfg, step, self.data, self.state["cursor"], self.engine,
+                                                   self.reward_fn, self.tokenizer.pad_token_id, self.progress)
+        return exp, stats
 
     def token_stats(self, model: torch.nn.Module, rb: RolloutBatch, rows: Tensor, collision: bool = False):
         """:func:`column_token_stats` of ``rows`` at the sampling temperature, in this run's precision."""
@@ -231,13 +197,14 @@ class Trainer:
         B, T = exp.rollouts.response_mask.shape
         skipped = set(skip.tolist())
         todo = torch.tensor([i for i in range(B) if i not in skipped], dtype=torch.long)
-        exp.old_log_prob, entropy = torch.zeros(B, T, device=self.device), torch.zeros(2, device=self.device)
+        exp.old_log_prob, exp.old_entropy = torch.zeros(B, T, device=self.device), torch.zeros(B, T, device=self.device)
+        entropy = torch.zeros(2, device=self.device)
         done = 0
         for rows in self.micro_batches(exp.rollouts, todo):
             self.progress.heartbeat(f"{done}/{len(todo)} sequences")
             done += len(rows)
             lp, ent, _ = self.token_stats(self.model, exp.rollouts, rows)
-            exp.old_log_prob[rows] = lp
+            exp.old_log_prob[rows], exp.old_entropy[rows] = lp, ent
             entropy += entropy_sum(ent, exp.mask[rows])
         exp.ref_log_prob = None if self.ref_model is None else torch.zeros(B, T, device=self.device)
         for rows in self.micro_batches(exp.rollouts, torch.arange(B)) if self.ref_model is not None else []:
@@ -245,14 +212,16 @@ class Trainer:
         return entropy
 
     def update(self, exp: Experience, mb: Tensor, acc: MetricAccumulator, step: int,
-               on_policy_entropy: Tensor | None = None) -> bool:
+               on_policy_entropy: Tensor | None = None) -> tuple[bool, dict[str, float]]:
         """One optimizer step on mini-batch ``mb``, accumulated over micro-batches (exact global token-mean);
-        skipped, weights kept, when the loss or the gradient is not finite. Returns whether it was applied.
+        skipped, weights kept, when the loss or the gradient is not finite or (``train.target_kl``) when the mini-batch's
+        KL(old||new) passes the target. Returns whether it was applied, and the mini-batch's ``ppo_kl`` and clip shares.
         ``on_policy_entropy`` given: ``mb`` is on-policy and has no old log-probs yet; they are this pass's own,
         and its ``[entropy sum, tokens]`` are added to that tensor."""
-        a, mask = self.cfg.algorithm, exp.mask
+        a, mask, mb_acc = self.cfg.algorithm, exp.loss_mask, MetricAccumulator()
         n_tok = mask[mb].sum().clamp(min=1)
         n_correct_tok = (mask[mb] * exp.correct[mb, None]).sum().clamp(min=1)
+        reduce = aggregator(a.agg or self.objective.default_agg, num_tokens=n_tok, num_seqs=len(mb))
         self.optimizer.zero_grad(set_to_none=True)
         finite_loss = torch.tensor(True)
         done = 0
@@ -261,21 +230,32 @@ class Trainer:
             done += len(rows)
             lp, ent, col = self.token_stats(self.model, exp.rollouts, rows, collision=True)
             if on_policy_entropy is not None:  # the policy that generated: ratio exactly 1
-                exp.old_log_prob[rows] = lp.detach()
-                on_policy_entropy += entropy_sum(ent.detach(), mask[rows])
-            weights = self.engine_correction(exp, rows, acc)
-            loss, m = policy_loss(
-                self.objective, lp, exp.old_log_prob[rows], exp.advantages[rows], mask[rows], agg=a.agg,
-                token_weights=weights,
-                num_tokens=n_tok, num_seqs=len(mb), entropy=ent, collision=col, entropy_coeff=self.entropy_coeff(),
-                ref_log_prob=None if exp.ref_log_prob is None else exp.ref_log_prob[rows], kl_coeff=a.kl_coeff,
-                correct=exp.correct[rows], positive_loss_coeff=a.positive_loss_coeff, num_correct_tokens=n_correct_tok,
-                prob_threshold=a.prob_threshold)
+                exp.old_log_prob[rows], exp.old_entropy[rows] = lp.detach(), ent.detach()
+                on_policy_entropy += entropy_sum(ent.detach(), exp.mask[rows])
+            old, adv, mk, correct = exp.old_log_prob[rows], exp.advantages[rows], mask[rows], exp.correct[rows]
+            ref = None if exp.ref_log_prob is None else exp.ref_log_prob[rows]
+            erc = entropy_ratio_mask(ent, exp.old_entropy[rows], mk, a.erc_low, a.erc_high) if a.erc else None
+            pg, m = policy_loss(self.objective, lp, old, adv, mk, reduce=reduce,
+                                token_weights=self.engine_correction(exp, rows, acc), gradient_mask=erc)
+            c_nll, c_kl, c_ent = a.positive_loss_coeff, a.kl_coeff, self.entropy_coeff()  # a term is built only if used
+            nll = correct_nll(lp, mk, correct, num_tokens=n_correct_tok) if c_nll else 0.0
+            kl = kl_penalty(lp, ref, mk, reduce=reduce) if c_kl else 0.0
+            bonus = entropy_bonus(ent, mk, reduce=reduce) if c_ent else 0.0
+            loss = pg + c_nll * nll + c_kl * kl - c_ent * bonus
+            m |= entropy_metrics(self.objective, lp, old, adv, mk, ent, collision=col, prob_threshold=a.prob_threshold)
+            m |= {"positive_loss": nll.detach()} if c_nll else {}
+            m |= {"kl": kl_metric(lp, ref, mk)} if c_kl and ref is not None else {}
+            m |= {"erc/kept_frac": (erc * mk).sum() / mk.sum().clamp(min=1)} if erc is not None else {}
             finite_loss = finite_loss & torch.isfinite(loss.detach())  # read once per mini-batch
             loss.backward()
             acc.add(m, mask[rows].sum())
+            mb_acc.add({k: m[k] for k in MB_METRICS}, mask[rows].sum())
         grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.optim.grad_clip)
         acc.add({"grad_norm": grad_norm}, torch.tensor(1.0))
+        mb_metrics = mb_acc.result()
+        if self.cfg.train.target_kl and mb_metrics["ppo_kl"] > self.cfg.train.target_kl:
+            self.optimizer.zero_grad(set_to_none=True)  # PPO's early stop: this step would leave the trust region
+            return False, mb_metrics
         if bool(finite_loss & torch.isfinite(grad_norm)):
             failpoint("optimizer-step", step)
             self.optimizer.step()
@@ -283,23 +263,22 @@ class Trainer:
                 raise TrainingError(f"step {step}: the update made the weights non-finite (optim.lr="
                                     f"{self.optimizer.param_groups[0]['lr']:g}); stopping. Last checkpoint: "
                                     f"{ckpt.latest_valid_checkpoint(self.run.checkpoints)}")
-            return True
+            return True, mb_metrics
         self.optimizer.zero_grad(set_to_none=True)  # NaN/Inf in the logits, loss or gradient: keep the weights
         log.warning("step %d: non-finite %s; update skipped (train/skipped_updates)", step,
                     "loss" if not bool(finite_loss) else f"gradient norm ({float(grad_norm)})")
-        return False
+        return False, mb_metrics
 
     def engine_correction(self, exp: Experience, rows: Tensor, acc: MetricAccumulator) -> Tensor | None:
-        """With an engine that reports its sampling log-probs (vLLM): log how far they are from the policy's
-        (``rollout/logp_diff``: mean |log pi_old - log pi_engine|), and with ``rollout.tis_cap`` return the truncated
-        importance weights min(pi_old / pi_engine, cap) for these rows' objective (else None)."""
+        """With a generator that reports its sampling log-probs (vLLM): log ``rollout/logp_diff`` (mean |log pi_old -
+        log pi_sampler|) and, with ``rollout.tis_cap``, return these rows' :func:`tis_weights` (else None)."""
         sampled = exp.rollouts.sampled_log_prob
         if sampled is None:
             return None
         m, diff = exp.mask[rows], exp.old_log_prob[rows] - sampled[rows]
         acc.add({"rollout/logp_diff": (diff.abs() * m).sum() / m.sum().clamp(min=1)}, m.sum())
         cap = self.cfg.rollout.tis_cap
-        return torch.exp(diff.clamp(max=math.log(cap))) if cap > 0 else None
+        return tis_weights(exp.old_log_prob[rows], sampled[rows], cap) if cap > 0 else None
 
     def save(self) -> Path:
         """A checkpoint of this step (policy, optimizer, scheduler, data position, autopilot), pruned to

@@ -47,7 +47,7 @@ from trl import GRPOConfig, GRPOTrainer
 from cegppo.algorithm.diagnostics import metric_weight
 from cegppo.algorithm.entropy_control import EntropyControlConfig, build_controller, validate_entropy_control
 from cegppo.algorithm.objectives import OBJECTIVES, Objective, get_objective
-from cegppo.algorithm.policy_loss import policy_loss
+from cegppo.algorithm.policy_loss import aggregator, entropy_bonus, entropy_metrics, kl_metric, kl_penalty, policy_loss
 
 __all__ = ["CEGPPOConfig", "CEGPPOTrainer", "ONE_PROCESS_WARNING", "ON_POLICY_WARNING", "TRL_OBJECTIVES",
            "is_on_policy", "requested_processes"]
@@ -226,11 +226,16 @@ class CEGPPOTrainer(GRPOTrainer):
         if mode == "train":
             normalizer = normalizer * self.current_gradient_accumulation_steps / self.args.steps_per_generation
 
-        loss, metrics = policy_loss(
-            self.objective, per_token_logps, old_per_token_logps, advantages, mask, agg="token-mean",
-            num_tokens=normalizer, token_weights=math.prod(weights) if weights else None, entropy=entropies,
-            entropy_coeff=self._entropy_coefficient(entropies, mask, entropy_mask, mode) + self._control_bonus(),
-            ref_log_prob=inputs.get("ref_per_token_logps"), kl_coeff=self.beta, kl_weights=kl_weights)
+        reduce, ref = aggregator("token-mean", num_tokens=normalizer), inputs.get("ref_per_token_logps")
+        entropy_coeff = self._entropy_coefficient(entropies, mask, entropy_mask, mode) + self._control_bonus()
+        pg, metrics = policy_loss(self.objective, per_token_logps, old_per_token_logps, advantages, mask, reduce=reduce,
+                                  token_weights=math.prod(weights) if weights else None)
+        loss = (pg
+                + self.beta * kl_penalty(per_token_logps, ref, mask, reduce=reduce, weights=kl_weights)
+                - entropy_coeff * entropy_bonus(entropies, mask, reduce=reduce))
+        metrics |= entropy_metrics(self.objective, per_token_logps, old_per_token_logps, advantages, mask, entropies)
+        if self.beta > 0 and ref is not None:
+            metrics["kl"] = kl_metric(per_token_logps, ref, mask)
 
         if self.aux_loss_enabled:
             normalizer = self.current_gradient_accumulation_steps if mode == "train" else 1.0
@@ -268,8 +273,7 @@ class CEGPPOTrainer(GRPOTrainer):
         total = self.accelerator.reduce(local, reduction="sum")  # every process steers at the same step
         entropy = float(total[0] / total[1]) if float(total[1]) > 0 else None
         out = self.entropy_controller.update(entropy)
-        self.objective = get_objective(self.objective.name, **{**self.objective.hparams, "beta1": out["beta1"],
-                                                               "beta2": out["beta2"]})
+        self.objective = self.objective.with_betas(out["beta1"], out["beta2"])
         for k, v in out.items():
             if k.startswith("control/"):
                 self._metrics["train"][k].append(v)
@@ -299,8 +303,7 @@ class CEGPPOTrainer(GRPOTrainer):
             with open(path) as f:
                 self.entropy_controller.load_state_dict(json.load(f))
             b = self.entropy_controller
-            self.objective = get_objective(self.objective.name, **{**self.objective.hparams, "beta1": b.beta1,
-                                                                   "beta2": b.beta2})
+            self.objective = self.objective.with_betas(b.beta1, b.beta2)
 
     # ----------------------------------------------------------------------------------------------------
     # pieces of GRPOTrainer._compute_loss (TRL 1.16.0) kept as they are there
