@@ -4,6 +4,7 @@
 #   oracle      the objective family's exactness tests on CUDA tensors (tests/test_objectives.py, CEGPPO_TEST_DEVICE=cuda)
 #   trl         the TRL adapter (CEGPPOTrainer) training 2 off-policy steps on CUDA (tests/test_trl_integration.py)
 #   quickstart  `cegppo train quickstart model.device=cuda`: the warm-start, 5 RL steps, the three evaluations
+#   map         the stability map on the GPU (benchmarks/stability_map.py; MAP_PARALLEL, MAP_BUDGET_S, MAP_ARGS)
 #   step        one RL step of cegppo and of TRL on identical work (benchmarks/step_throughput.py --device cuda),
 #               and vLLM against HF generate (benchmarks/generation.py) where vllm is installed
 # Results go to $OUT if set, else runs/gpu_check: gpu_check.log, pytest_*.txt, quickstart_*.json(l),
@@ -115,6 +116,10 @@ if want step; then
     else
         echo "vllm is not installed here: the vLLM / HF generation ratio was not measured (pip install -e '.[vllm]')"
     fi
+fi
+if want map; then  # the stability map's GPU path (issue 40): cells in parallel processes, started for MAP_BUDGET_S
+    run_part map 420 python3 benchmarks/stability_map.py --device cuda --parallel "${MAP_PARALLEL:-20}" \
+        --budget-s "${MAP_BUDGET_S:-100}" --out "$out" ${MAP_ARGS:-}
 fi
 echo "gpu_check: parts $parts, $((SECONDS - t0)) s, status $status"
 exit $status

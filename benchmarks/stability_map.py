@@ -1,0 +1,245 @@
+"""The stability map (issue 40, part 1): where each method holds as the step grows.
+
+    python benchmarks/stability_map.py --quick                       # tiny model, 2 cells: checks the pipeline
+    python benchmarks/stability_map.py --device cuda --parallel 16 --budget-s 240 --out DIR
+    python benchmarks/stability_map.py --collect DIR/stability_map.json --out benchmarks/results/gpu_h200
+
+Every cell (method x learning rate x seed) is one run of the entropy benchmark's setting (SmolLM2-135M on the
+additions a + b, temperature 1.0, 16 prompts x 8 samples, <= 40 new tokens, 4 AdamW mini-batches per step, warm-up
+0, no weight decay, 10 steps; benchmarks/common/entropy.py), in its own process (``--parallel`` at a time), and
+leaves a record: per step the rollout reward, accuracy, entropy, truncation share, the last mini-batch's
+KL(old||new) and clip-region shares, the collapse guard's findings; the held-out accuracy before and after; the
+wall time. Records are kept in ``stability_map.json`` as they finish (``--restore`` continues from one); cells not
+started when ``--budget-s`` runs out are left for a later run and listed in the report.
+
+Collapse, fixed before any run: a run *collapses* when the collapse guard (cegppo.algorithm.collapse, default
+bounds) names a failure at any step, or its final held-out accuracy is below 0.2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from common import RESULTS, provenance, provenance_line, write_results
+from common.entropy import CLIP, mean_sem, trainer_overrides, write_problems
+
+COLLAPSE_ACCURACY = 0.2  # final held-out accuracy below this: collapsed (with the guard's findings)
+CE75 = dict(CLIP, beta1=0.75, beta2=1.0)
+METHODS = {  # label -> (objective, hparams, extra overrides): the issue's list, then the stabilisers
+    "GRPO": ("ppo_clip", CLIP, []),
+    "CE-GPPO(0.75,1)": ("ce_gppo", CE75, []),
+    "CE-GPPO(0.75,1)+ERC": ("ce_gppo", CE75, ["algorithm.erc=true"]),
+    "CE-GPPO(0.75,1)+KL-stop": ("ce_gppo", CE75, ["train.target_kl=0.05"]),
+    "SAPO": ("sapo", {}, []),
+    "DAPO": ("dapo", {}, []),
+    "CE-GPPO(0.5,1)": ("ce_gppo", dict(CLIP, beta1=0.5, beta2=1.0), []),
+    "GPPO": ("gppo", {}, []),
+    "CISPO": ("cispo", {}, []),
+}
+KEEP = ("reward/mean", "reward/accuracy", "entropy", "response_length/mean", "response_length/clip_ratio",
+        "mb_last/ppo_kl", "mb_last/clip/low_frac", "mb_last/clip/high_frac", "grad_norm", "collapse/flag")
+
+
+def sizes(args) -> dict:
+    if args.quick:
+        return dict(model="tiny", precision="fp32", rollout_dtype="float32", steps=2, prompts=2, n=4, max_new_tokens=16,
+                    max_prompt_tokens=160, eval_n=4, dynamic_sampling=False)
+    return dict(model="smollm2-135m-instruct", precision="fp32", rollout_dtype="float32", steps=args.steps,
+                prompts=16, n=8, max_new_tokens=40, max_prompt_tokens=96, eval_n=32, dynamic_sampling=True)
+
+
+def worker(cell: dict, sz: dict, device: str, data_dir: Path, run_dir: Path) -> dict:
+    """One cell: train, evaluate before and after, return its record."""
+    from cegppo.config import load_config
+    from cegppo.engine.trainer import Trainer
+    from cegppo.io import read_jsonl
+    from cegppo.recipes import held_out_eval, log_eval, train_loop
+
+    objective, hparams, extra = METHODS[cell["method"]]
+    conf = dict(objective=objective, hparams=hparams, extra=[*extra, f"model.device={device}", "train.threads=1"])
+    ns = argparse.Namespace(temperature=1.0, lr=cell["lr"])
+    t0 = time.perf_counter()
+    findings = []
+    with Trainer(load_config(None, trainer_overrides(conf, cell["seed"], sz, ns, data_dir, run_dir)),
+                 overwrite=True) as tr:
+        base = log_eval(tr, "base", held_out_eval(tr))["accuracy"]
+        train_loop(tr, on_step=lambda t, row: findings.extend(f"step {row['step']}: {f}" for f in t.collapse))
+        final = log_eval(tr, "final", held_out_eval(tr))["accuracy"]
+    rows = read_jsonl(run_dir / "metrics.jsonl")
+    first_flag = next((r["step"] for r in rows if r.get("collapse/flag")), None)
+    return dict(cell, steps={k: [r.get(k) for r in rows] for k in KEEP}, base_accuracy=base, final_accuracy=final,
+                guard=findings, guard_first_step=first_flag,
+                collapsed=bool(findings) or final < COLLAPSE_ACCURACY, wall_s=time.perf_counter() - t0)
+
+
+def cells(args) -> list[dict]:
+    methods = args.methods or (["GRPO", "CE-GPPO(0.75,1)"] if args.quick else list(METHODS))
+    lrs = [1e-5] if args.quick else args.lrs
+    return [dict(method=m, lr=lr, seed=s) for lr in lrs for m in methods for s in (args.seeds if not args.quick else [0])]
+
+
+def key(c: dict) -> str:
+    return f"{c['method']}|{c['lr']:g}|{c['seed']}"
+
+
+def run_all(args, out: Path) -> dict:
+    sz = sizes(args)
+    result = json.loads(args.restore.read_text()) if args.restore else {"runs": []}
+    done = {key(r) for r in result["runs"]}
+    todo = [c for c in cells(args) if key(c) not in done]
+    work = Path(tempfile.mkdtemp(prefix="stability_map_"))
+    data_dir = write_problems(work / "data")
+    if not args.quick:  # convert the bundled model once, before processes race to do it
+        from cegppo.engine.models import load_model
+        load_model(sz["model"])
+    running: list[tuple[subprocess.Popen, dict, Path]] = []
+    t0 = time.monotonic()
+    while todo or running:
+        while todo and len(running) < args.parallel and time.monotonic() - t0 < args.budget_s:
+            c = todo.pop(0)
+            rec = work / f"{len(result['runs'])}_{len(running)}_{time.monotonic_ns()}.json"
+            cmd = [sys.executable, __file__, "--worker", json.dumps(c), "--settings", json.dumps(sz),
+                   "--device", args.device, "--data", str(data_dir), "--record", str(rec)]
+            log = open(rec.with_suffix(".log"), "w")
+            running.append((subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT,
+                                             env={**os.environ, "OMP_NUM_THREADS": "1"}), c, rec))
+        if time.monotonic() - t0 >= args.budget_s:
+            todo.clear()
+        for p, c, rec in list(running):
+            if p.poll() is None:
+                continue
+            running.remove((p, c, rec))
+            if p.returncode == 0 and rec.exists():
+                result["runs"].append(json.loads(rec.read_text()))
+                r = result["runs"][-1]
+                print(f"{key(c)}: acc {r['base_accuracy']:.3f} -> {r['final_accuracy']:.3f}, collapsed "
+                      f"{r['collapsed']}, {r['wall_s']:.0f} s", flush=True)
+            else:
+                print(f"{key(c)}: failed (rc {p.returncode}): {rec.with_suffix('.log').read_text()[-1500:]}", flush=True)
+        time.sleep(0.5)
+    result["pending"] = [key(c) for c in cells(args) if key(c) not in {key(r) for r in result["runs"]}]
+    result.update(settings=dict(sz, temperature=1.0, mini_batches=4, device=args.device,
+                                collapse=f"guard finding at any step, or final held-out accuracy < {COLLAPSE_ACCURACY}"),
+                  **provenance(__file__, "fp32"))
+    return result
+
+
+def summarize(runs: list[dict]) -> list[dict]:
+    out = []
+    for lr in sorted({r["lr"] for r in runs}):
+        for m in METHODS:
+            rs = [r for r in runs if r["method"] == m and r["lr"] == lr]
+            if not rs:
+                continue
+
+            def last(k: str, r: dict) -> float:
+                vals = [v for v in r["steps"][k] if v is not None]
+                return vals[-1] if vals else float("nan")
+
+            acc = mean_sem([r["final_accuracy"] for r in rs])
+            def mean(k: str, r: dict) -> float:
+                vals = [v for v in r["steps"][k] if v is not None]
+                return sum(vals) / len(vals) if vals else float("nan")
+
+            kl = mean_sem([mean("mb_last/ppo_kl", r) for r in rs])
+            low = mean_sem([mean("mb_last/clip/low_frac", r) for r in rs])
+            out.append(dict(method=m, lr=lr, seeds=len(rs), collapsed=sum(r["collapsed"] for r in rs), acc=acc,
+                            kl=kl, beta1_share=low, entropy=(mean_sem([r["steps"]["entropy"][0] or 0 for r in rs])[0],
+                                                             mean_sem([last("entropy", r) for r in rs])[0]),
+                            length=mean_sem([last("response_length/mean", r) for r in rs])[0],
+                            wall=mean_sem([r["wall_s"] for r in rs])[0]))
+    return out
+
+
+def report(result: dict) -> str:
+    summary = summarize(result["runs"])
+    lines = [f"# Stability map: collapse and accuracy as the step grows\n",
+             f"Generated by `{result['command']}`. Do not edit by hand; `--collect` regenerates it.\n",
+             provenance_line(result) + "\n",
+             f"Setting: {json.dumps(result['settings'])}.\n",
+             f"Collapse (fixed before the runs): {result['settings']['collapse']}.\n",
+             "| method | lr | seeds | collapsed | held-out accuracy (mean ± SE) | KL(old‖new), last mini-batch, mean over "
+             "steps | beta1-region share, last mini-batch | entropy first -> last | final length | wall s |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
+    for s in summary:
+        lines.append(f"| {s['method']} | {s['lr']:g} | {s['seeds']} | {s['collapsed']}/{s['seeds']} | "
+                     f"{s['acc'][0]:.3f} ± {s['acc'][1]:.3f} | {s['kl'][0]:.3f} | {s['beta1_share'][0]:.3f} | "
+                     f"{s['entropy'][0]:.2f} -> {s['entropy'][1]:.2f} | {s['length']:.1f} | {s['wall']:.0f} |")
+    lines.append("\nLargest learning rate with no collapse at any seed (among those run):\n")
+    for m in METHODS:
+        rows = [s for s in summary if s["method"] == m]
+        if rows:
+            ok = [s["lr"] for s in rows if s["collapsed"] == 0]
+            lines.append(f"- {m}: {max(ok):g}" if ok else f"- {m}: none of {[s['lr'] for s in rows]}")
+    if result.get("pending"):
+        lines.append(f"\nNot run (budget): {len(result['pending'])} cells: {', '.join(result['pending'])}.")
+    guard = [f"- {r['method']} lr {r['lr']:g} seed {r['seed']}: {r['guard'][0]}" for r in result["runs"] if r["guard"]]
+    if guard:
+        lines += ["\nThe collapse guard's first finding per flagged run:\n", *guard]
+    return "\n".join(lines) + "\n"
+
+
+def plot(result: dict, out: Path) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    summary = summarize(result["runs"])
+    if not summary:
+        return
+    methods = [m for m in METHODS if any(s["method"] == m for s in summary)]
+    lrs = sorted({s["lr"] for s in summary})
+    fig, ax = plt.subplots(figsize=(1.6 * len(lrs) + 3, 0.5 * len(methods) + 1.5))
+    grid = [[float("nan")] * len(lrs) for _ in methods]
+    for s in summary:
+        i, j = methods.index(s["method"]), lrs.index(s["lr"])
+        grid[i][j] = s["collapsed"] / s["seeds"]
+        ax.text(j, i, f"{s['acc'][0]:.2f}", ha="center", va="center", fontsize=8)
+    im = ax.imshow(grid, cmap="Reds", vmin=0, vmax=1, aspect="auto")
+    ax.set_xticks(range(len(lrs)), [f"{lr:g}" for lr in lrs])
+    ax.set_yticks(range(len(methods)), methods)
+    ax.set_xlabel("learning rate (4 mini-batches per step)")
+    fig.colorbar(im, label="collapse rate over seeds (number: held-out accuracy)")
+    fig.tight_layout()
+    fig.savefig(out / "stability_map.png", dpi=110)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--lrs", type=float, nargs="+", default=[3e-6, 1e-5, 5e-5])
+    ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
+    ap.add_argument("--methods", nargs="+", choices=list(METHODS))
+    ap.add_argument("--steps", type=int, default=10)
+    ap.add_argument("--parallel", type=int, default=1, help="cells run at a time, each its own process")
+    ap.add_argument("--budget-s", type=float, default=float("inf"), help="start no cell after this many seconds")
+    ap.add_argument("--restore", type=Path, help="a stability_map.json whose runs are kept (resume)")
+    ap.add_argument("--collect", type=Path, help="only rebuild the report from this stability_map.json")
+    ap.add_argument("--out", type=Path)
+    ap.add_argument("--worker", help=argparse.SUPPRESS)
+    ap.add_argument("--settings", help=argparse.SUPPRESS)
+    ap.add_argument("--data", type=Path, help=argparse.SUPPRESS)
+    ap.add_argument("--record", type=Path, help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.worker:
+        cell = json.loads(args.worker)
+        rec = worker(cell, json.loads(args.settings), args.device, args.data, args.record.with_suffix(".run"))
+        args.record.write_text(json.dumps(rec))
+        return
+    out = args.out or (Path("runs/stability_map_quick") if args.quick else RESULTS)
+    out.mkdir(parents=True, exist_ok=True)
+    result = json.loads(args.collect.read_text()) if args.collect else run_all(args, out)
+    plot(result, out)
+    write_results(out, "stability_map", result, report(result))
+
+
+if __name__ == "__main__":
+    main()
