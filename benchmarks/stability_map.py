@@ -75,8 +75,13 @@ def worker(cell: dict, sz: dict, device: str, data_dir: Path, run_dir: Path) -> 
     rows = read_jsonl(run_dir / "metrics.jsonl")
     first_flag = next((r["step"] for r in rows if r.get("collapse/flag")), None)
     return dict(cell, steps={k: [r.get(k) for r in rows] for k in KEEP}, base_accuracy=base, final_accuracy=final,
-                guard=findings, guard_first_step=first_flag,
-                collapsed=bool(findings) or final < COLLAPSE_ACCURACY, wall_s=time.perf_counter() - t0)
+                guard=findings, guard_first_step=first_flag, collapsed=collapsed(findings, final),
+                wall_s=time.perf_counter() - t0)
+
+
+def collapsed(guard_findings: list[str], final_accuracy: float) -> bool:
+    """The map's collapse definition, fixed before any run (module docstring)."""
+    return bool(guard_findings) or final_accuracy < COLLAPSE_ACCURACY
 
 
 def cells(args) -> list[dict]:
@@ -121,6 +126,8 @@ def run_all(args, out: Path) -> dict:
                 r = result["runs"][-1]
                 print(f"{key(c)}: acc {r['base_accuracy']:.3f} -> {r['final_accuracy']:.3f}, collapsed "
                       f"{r['collapsed']}, {r['wall_s']:.0f} s", flush=True)
+                from cegppo.io import atomic_write_json
+                atomic_write_json(out / "stability_map.json", result)  # every finished cell kept: --restore resumes
             else:
                 print(f"{key(c)}: failed (rc {p.returncode}): {rec.with_suffix('.log').read_text()[-1500:]}", flush=True)
         time.sleep(0.5)

@@ -1,0 +1,88 @@
+"""The collapse guard (cegppo.algorithm.collapse) on recorded runs whose answer is known, and its trainer wiring."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from cegppo.algorithm.collapse import CollapseBounds, CollapseGuard
+
+RUNS = json.loads((Path(__file__).parent / "fixtures" / "collapse_runs.json").read_text())["runs"]
+
+
+def first_finding(run: dict, bounds: CollapseBounds = CollapseBounds()) -> tuple[int, str] | None:
+    """Replay a recorded run's steps through the guard (rewards are +1/-1, so accuracy = (reward + 1) / 2)."""
+    guard = CollapseGuard(bounds)
+    for step, (reward, entropy) in enumerate(zip(run["reward"], run["entropy"]), 1):
+        row = {"reward/mean": reward, "entropy": entropy,
+               "reward/accuracy": None if reward is None else (reward + 1) / 2}
+        found = guard.check(row)
+        if found:
+            return step, found[0]
+    return None
+
+
+def test_the_guard_names_the_collapsed_runs_and_no_healthy_one():
+    """entropy_control's 30 runs: CE-GPPO(0.75,1) seeds 1 and 2 collapsed; the guard flags exactly those, seed 1 at
+    step 5 (accuracy 4 %: the responses ran to the cap) and seed 2 at step 6 (reward 0.61 below its best)."""
+    flagged = {(r["label"], r["seed"]): first_finding(r) for r in RUNS}
+    flagged = {k: v for k, v in flagged.items() if v}
+    assert set(flagged) == {("CE-GPPO(0.75,1)", 1), ("CE-GPPO(0.75,1)", 2)}
+    assert flagged[("CE-GPPO(0.75,1)", 1)][0] == 5 and "accuracy" in flagged[("CE-GPPO(0.75,1)", 1)][1]
+    assert flagged[("CE-GPPO(0.75,1)", 2)][0] == 6 and "below its best" in flagged[("CE-GPPO(0.75,1)", 2)][1]
+
+
+@pytest.mark.parametrize("bounds", [CollapseBounds(reward_drop=0.25), CollapseBounds(entropy_low=0.1),
+                                    CollapseBounds(min_accuracy=0.2)])
+def test_tighter_bounds_flag_a_healthy_run(bounds):
+    """The bounds sit between the healthy and the collapsed runs: each tightened one flags a healthy run."""
+    healthy = [r for r in RUNS if not (r["label"] == "CE-GPPO(0.75,1)" and r["seed"] in (1, 2))]
+    assert any(first_finding(r, bounds) for r in healthy)
+
+
+def test_each_rule_names_its_failure_and_the_state_resumes():
+    guard = CollapseGuard()
+    assert guard.check({"entropy": 1.0, "reward/mean": 0.0, "reward/accuracy": 0.5}) == []
+    found = guard.check({"entropy": 3.5, "mb_last/ppo_kl": 0.9, "mb_last/clip/low_frac": 0.5,
+                         "response_length/clip_ratio": 0.8})
+    assert [f.split(":")[0] for f in found] == ["trust region", "trust region", "responses at the cap",
+                                                 "entropy exploding"]
+    resumed = CollapseGuard()
+    resumed.load_state_dict(json.loads(json.dumps(guard.state_dict())))
+    assert resumed.check({"entropy": 0.01}) == guard.check({"entropy": 0.01})  # the first entropy survived
+
+
+def params(model):
+    return torch.cat([p.detach().flatten().clone() for p in model.parameters()])
+
+
+def test_overlong_filter_takes_cut_responses_out_of_the_loss(tiny_config, tmp_path):
+    """Every response cut at 2 tokens: with the filter no token is in the loss, so the weights do not move."""
+    from cegppo.engine.trainer import Trainer
+    from cegppo.recipes import train_loop
+
+    for on in (False, True):
+        with Trainer(tiny_config("train.steps=1", "rollout.max_new_tokens=2", "optim.weight_decay=0",
+                                 "optim.warmup_steps=0", "optim.lr=1e-2", f"algorithm.overlong_filter={str(on).lower()}",
+                                 "train.save_every=0", out=tmp_path / str(on))) as tr:
+            before = params(tr.model)
+            (row,) = train_loop(tr)
+            assert row["response_length/clip_ratio"] == 1.0
+            assert torch.equal(params(tr.model), before) == on
+
+
+def test_kl_early_stop_skips_the_rest_of_the_step(tiny_config, tmp_path):
+    from cegppo.engine.trainer import Trainer
+    from cegppo.recipes import train_loop
+
+    with Trainer(tiny_config("train.steps=1", "train.mini_batches=4", "train.target_kl=1e-9", "optim.lr=1e-2",
+                             "optim.warmup_steps=0", "train.save_every=0", out=tmp_path / "kl")) as tr:
+        (row,) = train_loop(tr)
+    assert 2 <= row["train/kl_stopped_at"] <= 4 and row["mb_last/ppo_kl"] > 1e-9
+    with Trainer(tiny_config("train.steps=1", "train.mini_batches=4", "optim.lr=1e-2", "optim.warmup_steps=0",
+                             "train.save_every=0", out=tmp_path / "nokl")) as tr:
+        (row,) = train_loop(tr)
+    assert "train/kl_stopped_at" not in row

@@ -1,0 +1,41 @@
+"""benchmarks/stability_map.py: its --quick pipeline end to end, and its collapse definition and report rules on
+records whose answer is known."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+import stability_map as sm  # noqa: E402
+
+
+def record(method, lr, seed, final, guard=()):
+    steps = {k: [0.1] * 10 for k in sm.KEEP}
+    return dict(method=method, lr=lr, seed=seed, steps=steps, base_accuracy=0.5, final_accuracy=final,
+                guard=list(guard), collapsed=sm.collapsed(list(guard), final), wall_s=1.0)
+
+
+def test_collapse_definition_and_largest_safe_step():
+    assert sm.collapsed([], 0.19) and not sm.collapsed([], 0.2) and sm.collapsed(["step 3: x"], 0.9)
+    runs = [record("GRPO", lr, s, 0.8) for lr in (3e-6, 5e-5) for s in range(3)]
+    runs += [record("CE-GPPO(0.75,1)", 3e-6, s, 0.8) for s in range(3)]
+    runs += [record("CE-GPPO(0.75,1)", 5e-5, s, f, g) for s, f, g in ((0, 0.9, ()), (1, 0.0, ("step 5: r",)),
+                                                                       (2, 0.1, ()))]
+    summary = {(s["method"], s["lr"]): s for s in sm.summarize(runs)}
+    assert summary[("CE-GPPO(0.75,1)", 5e-5)]["collapsed"] == 2 and summary[("GRPO", 5e-5)]["collapsed"] == 0
+    text = sm.report(dict(runs=runs, command="x", commit="c", date="d", settings={"collapse": "c"}, machine={},
+                          precision="fp32"))
+    assert "- GRPO: 5e-05" in text and "- CE-GPPO(0.75,1): 3e-06" in text
+
+
+def test_quick_mode_runs(tmp_path):
+    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "stability_map.py"), "--quick", "--out",
+                           str(tmp_path)], capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    result = json.loads((tmp_path / "stability_map.json").read_text())
+    assert len(result["runs"]) == 2 and (tmp_path / "stability_map.png").exists()
