@@ -11,7 +11,6 @@ with the commit, the command, the date and the machine.
 from __future__ import annotations
 
 import argparse
-import sys
 import time
 from pathlib import Path
 
@@ -23,8 +22,7 @@ from cegppo.data.problems import Problem
 from cegppo.data.tasks import INSTRUCTION, make_task
 from cegppo.io import atomic_write_json, atomic_write_text
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import RESULTS, provenance, provenance_line, quick_out  # noqa: E402
+from common import RESULTS, provenance, provenance_line, quick_out
 
 
 def main() -> None:

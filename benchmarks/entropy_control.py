@@ -40,26 +40,18 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import statistics
-import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-RESULTS = ROOT / "benchmarks" / "results"
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import RESULTS, ROOT, in_checkout, provenance, provenance_line, quick_out
+from common.entropy import (CLIP, GRPO, TARGETS, add_size_arguments, first, mean_sem, measure_noise, run_name, sizes,
+                            tracking_error, trainer_overrides, write_problems)
 
-from common import in_checkout, provenance, provenance_line, quick_out  # noqa: E402
-from reproduce_entropy import addition_problems, mean_sem  # noqa: E402  (the same problems and splits)
+from cegppo.io import atomic_write_json, atomic_write_text, read_jsonl
 
-from cegppo.io import atomic_write_json, atomic_write_text, read_jsonl  # noqa: E402
-
-TARGETS = {"hold": 1.0, "up": 1.2}  # target name -> fraction of the first measured entropy
 MIN_SEEDS = 3  # issue 24 judges the tracking goal on >= 3 seeds of each controller
 # --quick runs these: a fixed baseline, fixed CE-GPPO, the adaptive bonus, the autopilot with beta1 alone and with both
 QUICK_LABELS = ("GRPO", "CE-GPPO(0.75,1)", "Skywork adaptive bonus (up)", "Autopilot (hold)", "Autopilot + bonus (up)")
-CLIP = {"eps_low": 0.2, "eps_high": 0.2, "clip_ratio_c": 10.0}
-GRPO = dict(label="GRPO", objective="ppo_clip", hparams=CLIP, extra=[], target=None)  # the uncontrolled baseline
 
 
 def configurations(args) -> list[dict]:
@@ -99,61 +91,6 @@ def is_autopilot(label: str) -> bool:
     return label.startswith("Autopilot")
 
 
-def sizes(args) -> dict:
-    if args.quick:  # the tiny char-level model: checks the pipeline, measures nothing
-        return dict(model="tiny", precision="fp32", rollout_dtype="float32", steps=2, seeds=[0], prompts=2, n=4,
-                    max_new_tokens=16, max_prompt_tokens=160, eval_n=4, dynamic_sampling=False)
-    fp32 = args.precision == "fp32"  # pinned: runs comparable across CPU kinds (bf16 only where native)
-    return dict(model=args.model, precision="fp32" if fp32 else "auto", rollout_dtype="float32" if fp32 else "auto",
-                steps=args.steps,
-                seeds=getattr(args, "seeds", [0]), prompts=args.prompts, n=args.n, max_new_tokens=args.max_new_tokens,
-                max_prompt_tokens=96, eval_n=32, dynamic_sampling=True)
-
-
-def add_size_arguments(ap: argparse.ArgumentParser) -> None:
-    """The setting's flags, shared with ``entropy_regime.py`` (defaults: the setting of issue 15's runs)."""
-    ap.add_argument("--model", default="smollm2-135m-instruct")
-    ap.add_argument("--steps", type=int, default=8)
-    ap.add_argument("--temperature", type=float, default=0.7, help="sampling and training temperature")
-    ap.add_argument("--lr", type=float, default=1e-5)
-    ap.add_argument("--prompts", type=int, default=4, help="prompts per RL step")
-    ap.add_argument("--n", type=int, default=8, help="samples per prompt")
-    ap.add_argument("--max-new-tokens", type=int, default=40)
-    ap.add_argument("--precision", choices=("auto", "fp32"), default="auto",
-                    help="auto: bf16 autocast where the CPU has native bf16; fp32: fp32 everywhere (as the AVX2 runs)")
-
-
-def write_problems(data_dir: Path) -> Path:
-    """The additions of ``reproduce_entropy.py`` (its seed-0 split) as train / test JSONL in ``data_dir``."""
-    data_dir.mkdir(parents=True, exist_ok=True)
-    train, heldout = addition_problems(2, 12, 0)
-    for name, probs in (("train", train), ("test", heldout)):
-        atomic_write_text(data_dir / f"{name}.jsonl", "".join(
-            json.dumps({"id": p.id, "question": p.messages[0]["content"], "answer": p.answer}) + "\n" for p in probs))
-    return data_dir
-
-
-def trainer_overrides(conf: dict, seed: int, sz: dict, args, data_dir: Path, run_dir: Path) -> list[str]:
-    return [
-        f"output_dir={run_dir}", f"model.name={sz['model']}", f"model.precision={sz['precision']}",
-        f"model.rollout_dtype={sz['rollout_dtype']}",
-        f"data.train_path={data_dir / 'train.jsonl'}", f"data.test_path={data_dir / 'test.jsonl'}", "data.task=null",
-        f"data.num_test={sz['eval_n']}", f"rollout.n={sz['n']}", f"rollout.temperature={args.temperature}",
-        f"rollout.max_new_tokens={sz['max_new_tokens']}", f"rollout.max_prompt_tokens={sz['max_prompt_tokens']}",
-        "reward.fn=math-lenient", f"algorithm.objective={conf['objective']}",
-        "algorithm.hparams=" + json.dumps(conf["hparams"]),
-        f"algorithm.dynamic_sampling={str(sz['dynamic_sampling']).lower()}", f"optim.lr={args.lr}",
-        "optim.warmup_steps=0", "optim.weight_decay=0.0", f"train.steps={sz['steps']}",
-        f"train.prompts_per_step={sz['prompts']}", "train.mini_batches=4", "train.micro_batch_size=16",
-        "train.save_every=0", f"train.seed={seed}", f"eval.num_problems={sz['eval_n']}", "eval.every=0",
-        f"eval.max_new_tokens={sz['max_new_tokens']}", "logging.progress=false", *conf["extra"],
-    ]
-
-
-def run_name(label: str, seed: int) -> str:
-    return f"{label.replace(' ', '_').replace('%', 'pct')}-seed{seed}"
-
-
 def record_path(runs_dir: Path, label: str | None, seed: int) -> Path:
     """Where a finished run's record lies (``label`` None: the seed's noise measurement), for writer and reader."""
     return runs_dir / f"{f'noise-seed{seed}' if label is None else run_name(label, seed)}.record.json"
@@ -181,32 +118,6 @@ def restore_records(result: dict, runs_dir: Path) -> None:
         if not path.exists():
             atomic_write_json(path, record)
             print(f"restored {path}", flush=True)
-
-
-def measure_noise(conf: dict, seed: int, sz: dict, args, data_dir: Path, runs_dir: Path, commit: str) -> dict:
-    """The token-mean entropy of ``--noise-batches`` rollout batches of the starting policy (as the trainer measures
-    it for the autopilot: every kept response, before any update), each batch from new prompts and samples."""
-    import torch
-
-    from cegppo.config import load_config
-    from cegppo.engine.trainer import Trainer, entropy_mean
-
-    t0 = time.perf_counter()
-    tr = Trainer(load_config(None, trainer_overrides(conf, seed, sz, args, data_dir, runs_dir / f"noise-seed{seed}")),
-                 overwrite=True)
-    entropies = []
-    for step in range(1, args.noise_batches + 1):
-        exp, _ = tr.collect(step)
-        if exp is not None:  # dynamic sampling kept some groups
-            entropies.append(entropy_mean(tr.old_log_probs(exp, skip=torch.empty(0, dtype=torch.long))))
-    tr.close()
-    mean = statistics.fmean(entropies)
-    sd = statistics.stdev(entropies) if len(entropies) > 1 else math.nan
-    rec = dict(seed=seed, entropies=entropies, mean=mean, sd=sd, floor=math.sqrt(2 / math.pi) * sd / mean,
-               commit=commit, wall_s=time.perf_counter() - t0)
-    print(f"noise: {len(entropies)} rollout batches of the starting policy, H = {mean:.4f} +- sd {sd:.4f} "
-          f"({sd / mean:.1%}); a perfect tracker scores ~{rec['floor']:.3f}", flush=True)
-    return rec
 
 
 def run_one(conf: dict, seed: int, sz: dict, args, data_dir: Path, runs_dir: Path, base_acc: dict,
@@ -243,18 +154,6 @@ def run_one(conf: dict, seed: int, sz: dict, args, data_dir: Path, runs_dir: Pat
           f"acc {base_acc[seed]:.3f} -> {final:.3f}, {wall:.0f} s", flush=True)
     del tr
     return rec
-
-
-def first(values: list) -> float:
-    return next((v for v in values if v is not None), float("nan"))
-
-
-def tracking_error(rec: dict, frac: float) -> float:
-    """Mean |H - T| / T over the steps of the second half that measured an entropy, T = frac x first entropy."""
-    target = frac * first(rec["entropy"])
-    n = max(rec["steps"]) if rec["steps"] else 0
-    devs = [abs(h - target) / target for s, h in zip(rec["steps"], rec["entropy"]) if h is not None and s > n / 2]
-    return sum(devs) / len(devs) if devs else float("nan")
 
 
 # ---------------------------------------------------------------------------------------------------------

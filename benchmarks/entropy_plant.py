@@ -36,16 +36,12 @@ import json
 import math
 import random
 import statistics
-import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import RESULTS, in_checkout, provenance, provenance_line, quick_out, write_results
+from common.entropy import TARGETS, tracking_error  # entropy_control.py's targets and its score
 
-from common import RESULTS, in_checkout, provenance, provenance_line, quick_out, write_results  # noqa: E402
-
-from entropy_control import TARGETS, tracking_error  # noqa: E402  (the benchmark's targets and its score)
-
-from cegppo.algorithm.entropy_control import (AdaptiveEntropyBonus, AdaptiveEntropyConfig,  # noqa: E402
+from cegppo.algorithm.entropy_control import (AdaptiveEntropyBonus, AdaptiveEntropyConfig,
                                               EntropyControlConfig, EntropyController)
 
 STEPS = 10  # the committed benchmark's run length
@@ -121,7 +117,7 @@ def oracle(frac: float, a: float, g: float, two_sided: bool):
 
 def simulate(make, frac: float, a: float, g: float, sd_w: float, sd_v: float, rng: random.Random) -> float:
     """One run of ``STEPS`` on the plant with the controller ``make()``; its tracking error as the benchmark scores
-    it (:func:`entropy_control.tracking_error`)."""
+    it (:func:`common.entropy.tracking_error`)."""
     x, act, seen = math.log(1.6), make(), []
     for _ in range(STEPS):
         seen.append(math.exp(x + rng.gauss(0, sd_v)))

@@ -23,17 +23,14 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import RESULTS, ROOT, provenance, provenance_line, quick_out
+from common.entropy import (GRPO, add_size_arguments, measure_noise, run_name, sizes, trainer_overrides,
+                            write_problems)
 
-from common import RESULTS, ROOT, provenance, provenance_line, quick_out  # noqa: E402
-from entropy_control import (GRPO, add_size_arguments, measure_noise, run_name, sizes, trainer_overrides,  # noqa: E402
-                             write_problems)
-
-from cegppo.io import atomic_write_json, atomic_write_text, read_jsonl  # noqa: E402
+from cegppo.io import atomic_write_json, atomic_write_text, read_jsonl
 
 FALL_GOAL, NOISE_GOAL = 0.30, 0.03  # issue 24, item 1
 

@@ -19,12 +19,10 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import statistics
-import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import RESULTS, load_now, provenance, provenance_line, quick_out  # noqa: E402
+from common import RESULTS, load_now, provenance, provenance_line, quick_out
 
 
 def main() -> None:

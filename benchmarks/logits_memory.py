@@ -27,7 +27,6 @@ import argparse
 import contextlib
 import json
 import platform
-import sys
 import time
 from pathlib import Path
 
@@ -36,28 +35,10 @@ import torch.nn.functional as F
 
 from cegppo.algorithm.logprobs import DEFAULT_CHUNK_ROWS, fused_chunk_rows, linear_token_stats, token_stats
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import RESULTS, provenance, quick_out  # noqa: E402
+from common import RESULTS, provenance, quick_out
+from common.measure import peak_bytes_cpu
 
 VOCABS = (49152, 151936)  # SmolLM2, Qwen2.5
-
-
-def peak_bytes_cpu(fn) -> tuple[int, object]:
-    """Peak extra CPU memory allocated by torch during ``fn``, and ``fn``'s result.
-
-    Replays the profiler's raw allocation records (one ``[memory]`` record per allocation or free, in time
-    order). Summing ``cpu_memory_usage`` over ``prof.events()`` instead would count an allocation once for
-    every op it is nested in (``aten::linear`` > ``aten::matmul`` > ``aten::mm``)."""
-    from torch.profiler import ProfilerActivity, profile
-
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        out = fn()
-    records = [e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"]
-    cur = peak = 0
-    for e in sorted(records, key=lambda e: e.start_ns()):
-        cur += e.nbytes()
-        peak = max(peak, cur)
-    return peak, out
 
 
 def peak_bytes_cuda(fn) -> tuple[int, object]:

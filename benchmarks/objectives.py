@@ -20,20 +20,19 @@ import argparse
 import json
 import os
 import statistics
-import sys
 import time
 from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))  # the reference formulations
-import reference  # noqa: E402
-from cegppo.algorithm.objectives import OBJECTIVES, get_objective  # noqa: E402
-from cegppo.algorithm.policy_loss import policy_loss  # noqa: E402
-from logits_memory import peak_bytes_cpu  # noqa: E402  (benchmarks/, this script's directory)
+from cegppo.algorithm.objectives import OBJECTIVES, get_objective
+from cegppo.algorithm.policy_loss import policy_loss
 
 FLOOR = "memory-bandwidth floor"
-from common import RESULTS, provenance, quick_out  # noqa: E402  (benchmarks/)
+from common import RESULTS, provenance, quick_out, tests_module
+from common.measure import peak_bytes_cpu
+
+reference = tests_module("reference")  # tests/reference.py: the reference formulations
 
 
 def time_interleaved(fns: dict[str, callable], rounds: int, batch_seconds: float = 0.005) -> dict[str, float]:

@@ -10,7 +10,7 @@ Modes (fp32 master weights throughout, as the trainer keeps them; the LM head as
 * ``fp32``: the reference;
 * ``bf16 (emulated)``: the numerics of ``model.precision: bf16-autocast`` (every matmul in bf16, the LM head's
   included: logits rounded to bf16, then a float32 softmax), computed at fp32 speed by
-  :class:`bf16_rounding.Bf16Rounding`, because on a CPU without native bf16 the real kernels are far slower (the report's matmul table);
+  :class:`common.bf16_rounding.Bf16Rounding`, because on a CPU without native bf16 the real kernels are far slower (the report's matmul table);
 * ``bf16 (emulated), fp32 head``: the same with the LM head's matmul (the logits) in float32;
 * ``bf16-autocast``: the real thing, where bf16 is fast (or with ``--autocast``; ``--quick`` always, on the tiny
   model), so the emulation is checked against it (``vs autocast``).
@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import argparse
 import re
-import sys
 import time
 from pathlib import Path
 
@@ -49,9 +48,8 @@ from cegppo.engine.precision import fast_bf16
 from cegppo.engine.rollout import HFGenerator, Sampling
 from cegppo.engine.sft import sft_batch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bf16_rounding import EMULATED, precision_context  # noqa: E402
-from common import RESULTS, provenance, provenance_line, quick_out, write_results  # noqa: E402
+from common import RESULTS, provenance, provenance_line, quick_out, write_results
+from common.bf16_rounding import EMULATED, precision_context
 
 def token_stats(model, ids, attn, width: int, mode: str, temperature: float = 1.0):
     """Per-token (log-prob, entropy, collision) of the last ``width`` tokens in ``mode``."""

@@ -9,12 +9,12 @@ greedy answers).
 
 Each run is the product's path: a :class:`~cegppo.engine.trainer.Trainer` on ``examples/quickstart.yaml`` with
 ``train.seed=SEED`` (fp32 master weights, ``model.rollout_dtype=float32``), then :func:`cegppo.recipes.warm_start`
-inside the mode's context (:func:`bf16_rounding.precision_context`), then :func:`cegppo.recipes.held_out_eval`.
+inside the mode's context (:func:`common.bf16_rounding.precision_context`), then :func:`cegppo.recipes.held_out_eval`.
 In ``fp32`` it is exactly the warm-start of ``cegppo train quickstart train.seed=SEED``, so its accuracy must equal
 the quickstart's "warm-start" figure for that seed (benchmarks/results/quickstart_seeds.json): a check that this
 script measures the product. ``bf16-autocast`` is ``model.precision=bf16-autocast`` itself; on a CPU without native
 bf16 its kernels are far slower than fp32 (precision_gradients.md), so there the ``bf16 (emulated)`` modes stand in
-for it (same rounding, fp32 speed; see bf16_rounding.py). Runs go to ``runs/precision_warmstart/``.
+for it (same rounding, fp32 speed; see common/bf16_rounding.py). Runs go to ``runs/precision_warmstart/``.
 """
 
 from __future__ import annotations
@@ -22,7 +22,6 @@ from __future__ import annotations
 import argparse
 import re
 import statistics
-import sys
 import time
 from pathlib import Path
 
@@ -36,9 +35,8 @@ from cegppo.engine.sft import sft_batch
 from cegppo.engine.trainer import Trainer
 from cegppo.recipes import held_out_eval, warm_start
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bf16_rounding import EMULATED, precision_context  # noqa: E402
-from common import RESULTS, ROOT, provenance, provenance_line, quick_out, spread, write_results  # noqa: E402
+from common import RESULTS, ROOT, provenance, provenance_line, quick_out, spread, write_results
+from common.bf16_rounding import EMULATED, precision_context
 
 QUICK = ["model.name=tiny", "sft.steps=3", "sft.batch_size=4", "data.num_train=64", "data.num_test=4",
          "eval.num_problems=4", "eval.max_new_tokens=8"]

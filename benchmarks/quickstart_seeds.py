@@ -28,8 +28,9 @@ import time
 from datetime import datetime, timezone
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import RESULTS, ROOT, in_checkout, load_now, spread, write_results  # noqa: E402
+from common import RESULTS, ROOT, in_checkout, load_now, spread, write_results
+from common import command as results_command
+
 STAGES = ("base", "warm-start", "final")
 QUICK = ["sft.steps=2", "train.steps=2", "data.num_train=32", "data.num_test=8", "eval.num_problems=8",
          "rollout.n=4", "train.prompts_per_step=2", "train.save_every=0", "rollout.max_new_tokens=16"]
@@ -201,7 +202,7 @@ def main() -> None:
     for seed, r in zip(args.seeds, runs):
         r["load"] = run_load(runs_dir / f"seed{seed}", cores)
     precisions = {json.dumps(r["precision"], sort_keys=True) for r in runs}
-    result = dict(command=shlex.join(["python", "benchmarks/quickstart_seeds.py", *sys.argv[1:]]),
+    result = dict(command=results_command("quickstart_seeds.py"),
                   run_command=shlex.join(["cegppo", "train", config, "train.seed=SEED", *extra]),
                   commit=commit_label(), run_commits=[run_commit(r) for r in runs], notes=args.note,
                   date=datetime.now(timezone.utc).isoformat(timespec="seconds"),

@@ -27,7 +27,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
-import math
 import random
 import statistics
 import sys
@@ -37,7 +36,6 @@ from pathlib import Path
 import torch
 
 from cegppo.algorithm.advantages import group_advantages
-from cegppo.data.problems import Problem
 from cegppo.io import atomic_write_json, atomic_write_text
 from cegppo.engine.model_forward import sequence_token_stats
 from cegppo.engine.models import load_model
@@ -47,11 +45,10 @@ from cegppo.algorithm.policy_loss import policy_loss
 from cegppo.data.rewards import load_reward
 from cegppo.engine.rollout import HFGenerator, RolloutBatch, Sampling
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import RESULTS, in_checkout, load_now, provenance, provenance_line, quick_out  # noqa: E402
+from common import RESULTS, in_checkout, load_now, provenance, provenance_line, quick_out
+from common.entropy import addition_problems, mean_sem  # the additions task, shared with entropy_control.py
 
 QUICK_OUT = quick_out("reproduce_entropy")
-PROMPT = "What is {a} + {b}? Think step by step."
 
 # (label, objective, hparams); GPPO is CE-GPPO with beta1 = beta2 = 1 and is reported from that cell
 OBJECTIVES_A = [("GRPO", "ppo_clip", dict(eps_low=0.2, eps_high=0.2, clip_ratio_c=10.0)),
@@ -69,23 +66,6 @@ def objectives_a(args) -> list[tuple[str, str, dict]]:
     if unknown:
         sys.exit(f"--objectives: unknown {sorted(unknown)}; choose from {[label for label, _, _ in OBJECTIVES_A]}")
     return [o for o in OBJECTIVES_A if o[0] == "GRPO" or o[0] in args.objectives]
-
-
-def addition_problems(lo: int, hi: int, seed: int) -> tuple[list[Problem], list[Problem]]:
-    """All a + b with a, b in [lo, hi], split 3:1 into train / held-out by a seeded shuffle (disjoint)."""
-    pairs = [(a, b) for a in range(lo, hi + 1) for b in range(lo, hi + 1)]
-    random.Random(seed).shuffle(pairs)
-    probs = [Problem(id=f"{a}+{b}", messages=[{"role": "user", "content": PROMPT.format(a=a, b=b)}],
-                     answer=str(a + b), data_source="addition") for a, b in pairs]
-    cut = len(probs) * 3 // 4
-    return probs[:cut], probs[cut:]
-
-
-def mean_sem(xs: list[float]) -> tuple[float, float]:
-    if not xs:
-        return float("nan"), float("nan")
-    m = statistics.fmean(xs)
-    return m, (statistics.stdev(xs) / math.sqrt(len(xs)) if len(xs) > 1 else float("nan"))
 
 
 BF16 = False  # set by main() from --precision: bf16 autocast over fp32 weights, else fp32 throughout

@@ -39,9 +39,8 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from common import RESULTS, ROOT, in_checkout, provenance, provenance_line, quick_out, write_results  # noqa: E402
+from common import RESULTS, ROOT, in_checkout, provenance, provenance_line, quick_out, write_results
+from common.measure import problems_in_order
 
 PHASES = ("generate", "old_logp", "update")
 
@@ -90,7 +89,6 @@ def model_shape(model: str) -> dict:
 
 def mean_prompt_tokens(model: str, s: dict) -> float:
     """The mean chat-templated prompt length of the problems the step trained on."""
-    from step_throughput import problems_in_order
     from transformers import AutoTokenizer
 
     from cegppo.engine.models import preset_path

@@ -31,7 +31,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import shlex
 import statistics
 import subprocess
 import sys
@@ -39,8 +38,8 @@ import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import RESULTS, ROOT, provenance, provenance_line, quick_out, write_results  # noqa: E402
+from common import RESULTS, ROOT, command, provenance, provenance_line, quick_out, write_results
+from common.measure import problems_in_order
 
 SYSTEMS = ("cegppo", "trl")  # the kinds of worker
 # environment variables that change what is measured (the allocator, threads, vLLM's KV cache), recorded with it
@@ -123,16 +122,6 @@ def _mallinfo2():
     fn = ctypes.CDLL("libc.so.6").mallinfo2
     fn.restype = MallInfo2
     return fn
-
-
-def problems_in_order(s: dict) -> list:
-    """The problems cegppo's trainer takes, step by step, for this seed (so TRL can be fed the same ones)."""
-    from cegppo.config import load_config
-    from cegppo.engine.components import DataOrder, load_splits
-
-    cfg = load_config(None, [f"train.seed={s['seed']}"])
-    train, _ = load_splits(cfg)
-    return DataOrder(train, s["seed"]).take(0, s["prompts"] * (s["warmup"] + s["steps"]))
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -461,8 +450,7 @@ def main() -> None:
     result = dict(**prov, env=env,
                   torch=torch.__version__, threads=torch.get_num_threads(), load_before=load_before,
                   wall_s=time.perf_counter() - t0, settings=s, systems=measured, runs=runs)
-    result["command"] = shlex.join([*(f"{k}={v}" for k, v in env.items()), "python", "benchmarks/step_throughput.py",
-                                    *sys.argv[1:]])
+    result["command"] = command("step_throughput.py", env)
     out = args.out or (quick_out("step_throughput") if args.quick else RESULTS)
     _write(result, out)
 

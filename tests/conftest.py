@@ -6,6 +6,9 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests"))  # so `fixtures.rewards:digit_overlap` imports as a user reward would
+# the benchmark scripts and their shared package `common`, as a script run from benchmarks/ sees them (the one
+# place the tests put benchmarks/ on the path; last, so that it shadows nothing)
+sys.path.append(str(ROOT / "benchmarks"))
 
 AIME_LAYOUTS = ("interleaved", "blocked")
 # The device the objective-family and TRL-adapter tests put their tensors and models on: cpu here and in CI;

@@ -5,10 +5,17 @@ a script whose code paths break with the package fails here, not months later in
 
 The subprocesses run with one torch thread: tiny matrices gain nothing from two, and on a loaded machine two threads
 made a tiny forward pass 20x slower (measured while writing this test).
+
+And benchmarks/ stays an evidence base: no script imports another (shared code lives in the package
+``benchmarks/common/``, which the tests find through tests/conftest.py), no file there changes ``sys.path``, every
+committed ``command`` is a command line without its notes, the results index names every file, and
+benchmarks/README.md's table of claims names files and scripts that exist, covering every results file the README
+cites.
 """
 
 from __future__ import annotations
 
+import ast
 import json
 import os
 import re
@@ -22,7 +29,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 BENCH = ROOT / "benchmarks"
-HELPERS = {"common.py", "bf16_rounding.py"}  # imported by the scripts, not benchmarks
+RESULTS = BENCH / "results"
 
 # script -> (extra arguments beside --quick and --out, results files it must write into --out)
 QUICK = {
@@ -39,11 +46,12 @@ QUICK = {
     "quickstart_seeds.py": (["--seeds", "0", "--runs-dir", "{tmp}/runs", "--set", "eval.num_problems=4"], ["quickstart_seeds.json", "quickstart_seeds.md"]),
     "precision_gradients.py": ([], ["precision_gradients.json", "precision_gradients.md"]),
     "precision_warmstart.py": ([], ["precision_warmstart.json", "precision_warmstart.md"]),
+    "stability_map.py": ([], ["stability_map.json", "stability_map.md"]),
 }
 
 
 def test_every_benchmark_script_has_a_quick_test():
-    scripts = {p.name for p in BENCH.glob("*.py")} - HELPERS
+    scripts = {p.name for p in BENCH.glob("*.py")}  # shared code lives in benchmarks/common/, not beside them
     assert scripts == set(QUICK), f"benchmarks/ scripts without a --quick test here: {sorted(scripts - set(QUICK))}"
 
 
@@ -95,19 +103,118 @@ def test_gpu_check_calls_existing_options():
     from cegppo.engine.models import smollm2_gguf_path  # noqa: F401
 
 
+def index_rows() -> list[str]:
+    return [ln for ln in (RESULTS / "README.md").read_text().splitlines() if ln.startswith("| `")]
+
+
 def test_results_index_lists_every_results_file():
-    """benchmarks/results/README.md names every results file there; a JSON that records no machine says so."""
-    results = BENCH / "results"
-    index = (results / "README.md").read_text()
-    rows = [ln for ln in index.splitlines() if ln.startswith("| `")]
-    for path in sorted(results.iterdir()):
-        if path.name == "README.md":
+    """benchmarks/results/README.md names every results file, in its folder (``archive/x.json``: ``archive/x``), or the
+    folder it lies in (``gpu_h200/``); a results JSON that records no machine says so in its row."""
+    rows = [ln.split("|")[1] for ln in index_rows()]
+    for path in sorted(p for p in RESULTS.rglob("*") if p.is_file()):
+        rel = path.relative_to(RESULTS)
+        if rel.name == "README.md" and rel.parent == Path("."):
             continue
-        stem = path.name.split(".")[0]
-        row = [ln for ln in rows if re.search(rf"`{re.escape(stem)}[.`/ ]", ln.split("|")[1])]
-        assert row, f"benchmarks/results/{path.name} is not in benchmarks/results/README.md"
-        if path.suffix == ".json" and not (json.loads(path.read_text()).get("machine")):
-            assert "machine not recorded" in row[0], f"{path.name} records no machine; its index line must say so"
+        stem = (rel.parent / rel.name.split(".")[0]).as_posix()
+        folders = [f"`{parent.as_posix()}/`" for parent in rel.parents if parent != Path(".")]
+        row = [r for r in rows if re.search(rf"`{re.escape(stem)}[.`/ ]", r) or any(f in r for f in folders)]
+        assert row, f"benchmarks/results/{rel} is not in benchmarks/results/README.md"
+        record = json.loads(path.read_text()) if path.suffix == ".json" else None
+        if isinstance(record, dict) and "command" in record and not record.get("machine"):
+            full = next(ln for ln in index_rows() if ln.split("|")[1] == row[0])
+            assert "machine not recorded" in full, f"{rel} records no machine; its index line must say so"
+
+
+def commands(obj) -> list:
+    """Every ``command`` field in a results record, at any depth (the file's own, its candidates', its runs')."""
+    if isinstance(obj, dict):
+        return [v for k, v in obj.items() if k == "command"] + [c for v in obj.values() for c in commands(v)]
+    if isinstance(obj, list):
+        return [c for v in obj for c in commands(v)]
+    return []
+
+
+def test_committed_commands_are_command_lines_without_notes():
+    """``command`` holds argv only (a shell-quoted string or a list of strings); prose given with ``--note`` lives in
+    the record's notes. One record once held 3,817 characters of notes in its command."""
+    for path in sorted(RESULTS.rglob("*.json")):
+        for cmd in commands(json.loads(path.read_text())):
+            argv = cmd if isinstance(cmd, list) else shlex.split(cmd)  # a string must parse as a command line
+            assert all(isinstance(a, str) for a in argv), f"{path}: command {cmd!r}"
+            assert not any(a == "--note" or a.startswith("--note=") for a in argv), \
+                f"{path.relative_to(ROOT)}: its command holds --note text; notes go in the record's notes"
+
+
+def test_the_results_command_leaves_notes_out(monkeypatch):
+    import common
+
+    monkeypatch.setattr(sys, "argv", ["x.py", "--seeds", "0", "1", "--note", "ran beside a CI job", "--note=alone",
+                                      "--out", "a b"])
+    assert common.command("x.py") == "python benchmarks/x.py --seeds 0 1 --out 'a b'"
+    assert common.command("x.py", {"LD_PRELOAD": "j.so"}) == "LD_PRELOAD=j.so python benchmarks/x.py --seeds 0 1 --out 'a b'"
+    assert common.command(str(BENCH / "x.py")) == common.command("x.py")  # no machine's path (a script's __file__)
+
+
+def imported_modules(path: Path) -> set[str]:
+    """The top-level names of every module a file imports, at any depth of its code."""
+    names = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            names |= {a.name.split(".")[0] for a in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
+            names.add(node.module.split(".")[0])
+    return names
+
+
+def test_no_script_imports_another_and_none_changes_sys_path():
+    scripts = {p.stem for p in BENCH.glob("*.py")}
+    for path in sorted(BENCH.glob("*.py")):
+        other = imported_modules(path) & (scripts - {path.stem})
+        assert not other, f"{path.name} imports the script(s) {sorted(other)}: move what they share to benchmarks/common/"
+    for path in sorted(BENCH.rglob("*.py")):
+        assert not re.search(r"sys\.path\.(insert|append)|sys\.path\s*(\+|=)", path.read_text()), \
+            f"{path.relative_to(ROOT)} changes sys.path: a script finds benchmarks/common/ beside it"
+
+
+def readme_rows() -> list[list[str]]:
+    """The cells of benchmarks/README.md's claims table."""
+    lines = (BENCH / "README.md").read_text().split("## Claims", 1)[1].splitlines()
+    return [[c.strip() for c in ln.strip().strip("|").split("|")] for ln in lines if ln.startswith("| ")][2:]
+
+
+def results_files(cell: str) -> list[str]:
+    """``a.{json,md}``, ``b/c.png`` in a cell -> the file paths under benchmarks/results/ it names."""
+    out = []
+    for name in re.findall(r"`([^`]+)`", cell):
+        brace = re.match(r"(.*)\{(.+)\}$", name)
+        out += [brace[1] + ext for ext in brace[2].split(",")] if brace else [name]
+    return out
+
+
+def test_benchmarks_readme_table_names_existing_files_scripts_and_commands():
+    """Each claim's results files exist, its script exists, and its one command runs that script (or gpu_check.sh) on
+    files that exist; every results file the README cites has a claim row."""
+    rows = readme_rows()
+    assert len(rows) >= 20 and all(len(r) == 8 for r in rows), "benchmarks/README.md's claims table lost its shape"
+    named = set()
+    for claim, files, script, cmd, how, *_ in rows:
+        for name in results_files(files):
+            if "*" not in name:
+                assert (RESULTS / name).is_file(), f"benchmarks/README.md: {name} ({claim[:40]}) is not in results/"
+            named.add(name)
+        if script == "none at HEAD":
+            continue
+        assert (BENCH / script.strip("`")).is_file(), f"benchmarks/README.md: no script {script}"
+        argv = shlex.split(cmd.strip("`"))
+        assert argv[:2] in (["python", f"benchmarks/{script.strip('`')}"], ["bash", "benchmarks/gpu_check.sh"]), cmd
+        for flag in ("--from-json", "--step"):
+            if flag in argv:
+                assert (ROOT / argv[argv.index(flag) + 1]).is_file(), f"benchmarks/README.md: {cmd} reads no file"
+        assert ("--from-json" in argv) == how.startswith("record"), f"benchmarks/README.md: {cmd}: 'how' says {how}"
+    cited = re.findall(r"\]\(benchmarks/results/([^)#]+)\)", (ROOT / "README.md").read_text())
+    assert cited, "the README cites no results file?"
+    for name in (c for c in cited if c != "README.md"):  # the index itself aside
+        assert name in named, f"README.md cites benchmarks/results/{name}: it needs a row in benchmarks/README.md"
 
 
 def test_entropy_control_restore_gives_a_fresh_checkout_the_committed_runs(tmp_path):

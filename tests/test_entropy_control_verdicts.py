@@ -4,14 +4,9 @@ bar set only by controllers with enough seeds, and the accuracy test against GRP
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
-
-import entropy_control as ec  # noqa: E402
+import entropy_control as ec  # benchmarks/ (tests/conftest.py)
 
 
 def run(label: str, seed: int, tracking: dict[str, float], acc: float = 0.9, target: str | None = None) -> dict:

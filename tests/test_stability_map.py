@@ -8,10 +8,9 @@ import subprocess
 import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "benchmarks"))
+import stability_map as sm  # benchmarks/ (tests/conftest.py)
 
-import stability_map as sm  # noqa: E402
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def record(method, lr, seed, final, guard=()):

@@ -1,7 +1,16 @@
-"""What every benchmark's results file records about how it was made: the commit, the command, the date and the
-machine (CPU model and ISA, cores, torch and its threads, the 1-minute load average), with the precision it ran in.
+"""The code the benchmark scripts share; no script imports another script, each imports this package.
 
-A script run as ``python benchmarks/<name>.py`` finds this module beside it (``benchmarks/`` is ``sys.path[0]``).
+A script run as ``python benchmarks/<name>.py`` finds this package beside it (Python puts the script's directory,
+``benchmarks/``, first on ``sys.path``; the tests get it from ``tests/conftest.py``). Its modules:
+
+- ``common`` (here): what every results file records about how it was made: the commit, the command (argv only:
+  ``--note`` texts go to the file's notes), the date and the machine (CPU model and ISA, cores, torch and its
+  threads, the 1-minute load average), with the precision it ran in; and writing a results file;
+- :mod:`common.bf16_rounding`: bf16 autocast's numerics at fp32 speed (``precision_gradients``, ``precision_warmstart``);
+- :mod:`common.entropy`: the additions task and the entropy-control setting (``reproduce_entropy``,
+  ``entropy_control``, ``entropy_regime``, ``entropy_plant``, ``stability_map``);
+- :mod:`common.measure`: the problems one RL step trains on (``step_throughput``, ``roofline``) and torch's peak CPU
+  allocation (``logits_memory``, ``objectives``).
 """
 
 from __future__ import annotations
@@ -12,7 +21,7 @@ import sys
 from datetime import datetime, timezone
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 RESULTS = ROOT / "benchmarks" / "results"
 
 
@@ -26,9 +35,38 @@ def quick_out(name: str) -> Path:
     return ROOT / "runs" / f"{name}_quick"
 
 
-def command(script: str) -> str:
-    """The command line that ran ``benchmarks/<script>`` (relative to the checkout, so results compare across clones)."""
-    return shlex.join(["python", f"benchmarks/{script}", *sys.argv[1:]])
+def without_notes(argv: list[str]) -> list[str]:
+    """``argv`` less every ``--note TEXT`` (and ``--note=TEXT``): a note is prose for the results file's notes, not
+    part of the command that reproduces it."""
+    out, skip = [], False
+    for arg in argv:
+        if skip:
+            skip = False
+        elif arg == "--note":
+            skip = True
+        elif not arg.startswith("--note="):
+            out.append(arg)
+    return out
+
+
+def command(script: str, env: dict[str, str] | None = None) -> str:
+    """The command line that ran ``benchmarks/<script>`` (relative to the checkout, so results compare across clones),
+    argv only: the environment variables that matter first (``env``), no ``--note`` texts (:func:`without_notes`).
+    ``script`` is the script's name (a path, such as ``__file__``, is reduced to its name)."""
+    return shlex.join([*(f"{k}={v}" for k, v in (env or {}).items()), "python", f"benchmarks/{Path(script).name}",
+                       *without_notes(sys.argv[1:])])
+
+
+def tests_module(name: str):
+    """``tests/<name>.py`` loaded by its path (``objectives.py`` times the tests' reference formulations), with no
+    ``sys.path`` entry for ``tests/``."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(name, ROOT / "tests" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+    return module
 
 
 def provenance(script: str, precision: str) -> dict:
