@@ -26,7 +26,7 @@ from pathlib import Path
 import torch
 
 from cegppo.algorithm.objectives import OBJECTIVES, get_objective
-from cegppo.algorithm.policy_loss import policy_loss
+from cegppo.algorithm.policy_loss import aggregator, policy_loss
 
 FLOOR = "memory-bandwidth floor"
 from common import RESULTS, provenance, quick_out, tests_module
@@ -92,7 +92,7 @@ def main() -> None:
     def run_objective(obj):
         def step():
             lp = lp0.detach().requires_grad_(True)
-            loss, _ = policy_loss(obj, lp, old, adv, mask, agg="token-mean", num_tokens=n_tok)
+            loss, _ = policy_loss(obj, lp, old, adv, mask, reduce=aggregator(num_tokens=n_tok))
             loss.backward()
             return lp.grad
 

@@ -40,7 +40,7 @@ import torch
 
 from cegppo.engine.model_forward import sequence_token_stats
 from cegppo.algorithm.objectives import aggregate, get_objective
-from cegppo.algorithm.policy_loss import policy_loss
+from cegppo.algorithm.policy_loss import aggregator, policy_loss
 from cegppo.cli import _resolve_config
 from cegppo.config import load_config
 from cegppo.engine.components import build_policy, load_splits
@@ -74,8 +74,8 @@ def rl_backward(model, batch, mode: str, objective, agg: str, temperature: float
     for s in range(0, mask.shape[0], rows):
         sl = slice(s, s + rows)
         lp, ent, col = token_stats(model, rb.input_ids[sl], rb.attention_mask[sl], rb.response_len, mode, temperature)
-        loss, _ = policy_loss(objective, lp, lp.detach(), adv[sl], mask[sl], agg=agg, entropy=ent, collision=col,
-                              num_tokens=mask.sum(), num_seqs=mask.shape[0])
+        loss, _ = policy_loss(objective, lp, lp.detach(), adv[sl], mask[sl],
+                              reduce=aggregator(agg, num_tokens=mask.sum(), num_seqs=mask.shape[0]))
         loss.backward()
         out[sl] = lp.detach()
     return out

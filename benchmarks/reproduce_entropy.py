@@ -41,7 +41,7 @@ from cegppo.engine.model_forward import sequence_token_stats
 from cegppo.engine.models import load_model
 from cegppo.engine.precision import fast_bf16
 from cegppo.algorithm.objectives import get_objective
-from cegppo.algorithm.policy_loss import policy_loss
+from cegppo.algorithm.policy_loss import entropy_metrics, policy_loss
 from cegppo.data.rewards import load_reward
 from cegppo.engine.rollout import HFGenerator, RolloutBatch, Sampling
 
@@ -104,9 +104,9 @@ def update(model, theta0, objective, batch, old_lp, adv, args) -> dict:
                 lp, ent, col = sequence_token_stats(model, batch.input_ids[mb], batch.attention_mask[mb],
                                                     batch.response_len, args.temperature, collision=True)
             m = mask[mb]
-            # the one assembly of the loss (as the trainer calls it); entropy + collision add the quadrant metrics
-            loss, metrics = policy_loss(objective, lp, old_lp[mb], adv[mb], m, agg="token-mean", entropy=ent.detach(),
-                                        collision=col)
+            # the objective's term (token-mean), and the quadrant metrics from the entropy and collision
+            loss, metrics = policy_loss(objective, lp, old_lp[mb], adv[mb], m)
+            metrics |= entropy_metrics(objective, lp, old_lp[mb], adv[mb], m, ent.detach(), collision=col)
             opt.zero_grad(set_to_none=True)
             loss.backward()
             torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
