@@ -75,7 +75,8 @@ def rl_backward(model, batch, mode: str, objective, agg: str, temperature: float
         sl = slice(s, s + rows)
         lp, ent, col = token_stats(model, rb.input_ids[sl], rb.attention_mask[sl], rb.response_len, mode, temperature)
         loss, _ = policy_loss(objective, lp, lp.detach(), adv[sl], mask[sl],
-                              reduce=aggregator(agg, num_tokens=mask.sum(), num_seqs=mask.shape[0]))
+                              reduce=aggregator(agg or objective.default_agg, num_tokens=mask.sum(),
+                                                num_seqs=mask.shape[0]))
         loss.backward()
         out[sl] = lp.detach()
     return out

@@ -36,7 +36,8 @@ METHODS = {  # label -> (objective, hparams, extra overrides): the issue's list,
     "GRPO": ("ppo_clip", CLIP, []),
     "CE-GPPO(0.75,1)": ("ce_gppo", CE75, []),
     "CE-GPPO(0.75,1)+ERC": ("ce_gppo", CE75, ["algorithm.erc=true"]),
-    "CE-GPPO(0.75,1)+KL-stop": ("ce_gppo", CE75, ["train.target_kl=0.05"]),
+    "CE-GPPO(0.75,1)+KL-stop": ("ce_gppo", CE75, ["train.target_kl=0.1"]),
+    "CE-GPPO(0.75,1)+KL-stop+overlong": ("ce_gppo", CE75, ["train.target_kl=0.1", "algorithm.overlong_filter=true"]),
     "SAPO": ("sapo", {}, []),
     "DAPO": ("dapo", {}, []),
     "CE-GPPO(0.5,1)": ("ce_gppo", dict(CLIP, beta1=0.5, beta2=1.0), []),
@@ -55,7 +56,7 @@ def sizes(args) -> dict:
                 prompts=16, n=8, max_new_tokens=40, max_prompt_tokens=96, eval_n=32, dynamic_sampling=True)
 
 
-def worker(cell: dict, sz: dict, device: str, data_dir: Path, run_dir: Path) -> dict:
+def worker(cell: dict, sz: dict, device: str, data_dir: Path, run_dir: Path, threads: int) -> dict:
     """One cell: train, evaluate before and after, return its record."""
     from cegppo.config import load_config
     from cegppo.engine.trainer import Trainer
@@ -63,7 +64,7 @@ def worker(cell: dict, sz: dict, device: str, data_dir: Path, run_dir: Path) -> 
     from cegppo.recipes import held_out_eval, log_eval, train_loop
 
     objective, hparams, extra = METHODS[cell["method"]]
-    conf = dict(objective=objective, hparams=hparams, extra=[*extra, f"model.device={device}", "train.threads=1"])
+    conf = dict(objective=objective, hparams=hparams, extra=[*extra, f"model.device={device}", f"train.threads={threads}"])
     ns = argparse.Namespace(temperature=1.0, lr=cell["lr"])
     t0 = time.perf_counter()
     findings = []
@@ -111,10 +112,11 @@ def run_all(args, out: Path) -> dict:
             c = todo.pop(0)
             rec = work / f"{len(result['runs'])}_{len(running)}_{time.monotonic_ns()}.json"
             cmd = [sys.executable, __file__, "--worker", json.dumps(c), "--settings", json.dumps(sz),
-                   "--device", args.device, "--data", str(data_dir), "--record", str(rec)]
+                   "--device", args.device, "--data", str(data_dir), "--record", str(rec),
+                   "--threads", str(1 if args.parallel > 1 else 0)]
             log = open(rec.with_suffix(".log"), "w")
-            running.append((subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT,
-                                             env={**os.environ, "OMP_NUM_THREADS": "1"}), c, rec))
+            env = {**os.environ, "OMP_NUM_THREADS": "1"} if args.parallel > 1 else dict(os.environ)
+            running.append((subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env), c, rec))
         if time.monotonic() - t0 >= args.budget_s:
             todo.clear()
         for p, c, rec in list(running):
@@ -235,10 +237,12 @@ def main() -> None:
     ap.add_argument("--settings", help=argparse.SUPPRESS)
     ap.add_argument("--data", type=Path, help=argparse.SUPPRESS)
     ap.add_argument("--record", type=Path, help=argparse.SUPPRESS)
+    ap.add_argument("--threads", type=int, default=0, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.worker:
         cell = json.loads(args.worker)
-        rec = worker(cell, json.loads(args.settings), args.device, args.data, args.record.with_suffix(".run"))
+        rec = worker(cell, json.loads(args.settings), args.device, args.data, args.record.with_suffix(".run"),
+                     args.threads)
         args.record.write_text(json.dumps(rec))
         return
     out = args.out or (Path("runs/stability_map_quick") if args.quick else RESULTS)
