@@ -64,7 +64,7 @@ def held_out_eval(trainer: Trainer, problems: list[Problem] | None = None, desc:
     torch.manual_seed(step_seed(trainer.cfg.train.seed, trainer.state["step"], "eval"))
     progress = Progress(f"cegppo {desc}", len(problems), unit="problem", enabled=trainer.cfg.logging.progress)
     try:
-        return evaluate(trainer.engine, problems, trainer.reward_fn, e.k,
+        return evaluate(trainer.generator, problems, trainer.reward_fn, e.k,
                         Sampling(e.temperature, e.top_p, 0, e.max_new_tokens), progress=progress)
     finally:
         progress.close()
@@ -178,7 +178,7 @@ def warm_start(trainer: Trainer, steps: int | None = None) -> list[float]:
                                    seed=cfg.train.seed, precision=trainer.precision, progress=bar)
     finally:
         bar.close()
-    trainer.engine.sync(trainer.model)
+    trainer.generator.sync(trainer.model)
     return losses
 
 
@@ -218,7 +218,7 @@ def _train(trainer: Trainer, cfg: Config, t0: float) -> dict:
         "entropy_first": entropies[0] if entropies else None,
         "entropy_last": entropies[-1] if entropies else None,
         "steps_this_session": len(rows),
-        "precision": {"model.precision": trainer.precision, "model.rollout_dtype": str(trainer.engine.dtype)},
+        "precision": {"model.precision": trainer.precision, "model.rollout_dtype": str(trainer.generator.dtype)},
         "provenance": trainer.run.provenance,  # taken when this session started
     }
     trainer.run.write_summary(summary)

@@ -5,10 +5,12 @@ micro-batch computed on only the columns its rows use."""
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any, Callable
 
 import torch
 from torch import Tensor
 
+from cegppo.algorithm.policy_loss import tis_weights
 from cegppo.engine.model_forward import sequence_token_stats
 from cegppo.engine.precision import autocast
 from cegppo.engine.rollout import RolloutBatch
@@ -61,6 +63,42 @@ class Experience:
         return Experience(RolloutBatch.concat([e.rollouts for e in parts], pad_token_id),
                           *(torch.cat([getattr(e, f) for e in parts]) for f in ("rewards", "correct", "advantages")),
                           in_loss)
+
+
+@torch.no_grad()
+def fill_old_log_probs(exp: Experience, skip: Tensor, model: torch.nn.Module, ref_model: torch.nn.Module | None,
+                       token_stats: Callable, micro_batches: Callable, heartbeat: Callable[[str], None]) -> Tensor:
+    """Fill ``exp.old_log_prob`` and ``old_entropy`` (and ``ref_log_prob`` under ``ref_model``) in micro-batches,
+    except for the rows ``skip``; returns ``[sum of entropy, tokens]`` over the rows it covered."""
+    B, T = exp.rollouts.response_mask.shape
+    device = exp.rollouts.response_mask.device
+    skipped = set(skip.tolist())
+    todo = torch.tensor([i for i in range(B) if i not in skipped], dtype=torch.long)
+    exp.old_log_prob, exp.old_entropy = torch.zeros(B, T, device=device), torch.zeros(B, T, device=device)
+    entropy = torch.zeros(2, device=device)
+    done = 0
+    for rows in micro_batches(exp.rollouts, todo):
+        heartbeat(f"{done}/{len(todo)} sequences")
+        done += len(rows)
+        lp, ent, _ = token_stats(model, exp.rollouts, rows)
+        exp.old_log_prob[rows], exp.old_entropy[rows] = lp, ent
+        entropy += entropy_sum(ent, exp.mask[rows])
+    exp.ref_log_prob = None if ref_model is None else torch.zeros(B, T, device=device)
+    for rows in micro_batches(exp.rollouts, torch.arange(B)) if ref_model is not None else []:
+        exp.ref_log_prob[rows] = token_stats(ref_model, exp.rollouts, rows)[0]
+    return entropy
+
+
+def sampler_correction(exp: Experience, rows: Tensor, tis_cap: float, acc: Any) -> Tensor | None:
+    """With a generator that reports its sampling log-probs (vLLM): add ``rollout/logp_diff`` (mean |log pi_old -
+    log pi_sampler|) to ``acc`` and, with ``tis_cap`` > 0, return these rows' truncated importance weights
+    (:func:`cegppo.algorithm.policy_loss.tis_weights`); else None."""
+    sampled = exp.rollouts.sampled_log_prob
+    if sampled is None:
+        return None
+    m, diff = exp.mask[rows], exp.old_log_prob[rows] - sampled[rows]
+    acc.add({"rollout/logp_diff": (diff.abs() * m).sum() / m.sum().clamp(min=1)}, m.sum())
+    return tis_weights(exp.old_log_prob[rows], sampled[rows], tis_cap) if tis_cap > 0 else None
 
 
 def micro_batches(rb: RolloutBatch, rows: Tensor, max_rows: int, max_tokens: int = 0) -> list[Tensor]:

@@ -14,23 +14,23 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
+from cegppo.algorithm.collapse import CollapseGuard
 from cegppo.algorithm.diagnostics import MetricAccumulator
 from cegppo.algorithm.entropy_control import build_adaptive_entropy, build_controller
-from cegppo.engine.model_forward import fused_head_supported
 from cegppo.algorithm.objectives import get_objective
-from cegppo.algorithm.collapse import CollapseGuard
 from cegppo.algorithm.policy_loss import (aggregator, correct_nll, entropy_bonus, entropy_metrics, entropy_ratio_mask,
-                                         kl_metric, kl_penalty, policy_loss, tis_weights)
+                                         kl_metric, kl_penalty, policy_loss)
 from cegppo.config import Config, check_data, check_prompt_budget
 from cegppo.data.tasks import check_task
 from cegppo.engine import checkpoint as ckpt
+from cegppo.engine.batching import (Experience, column_token_stats, entropy_mean, entropy_sum, fill_old_log_probs,
+                                    micro_batches, sampler_correction)
+from cegppo.engine.collect import collect
 from cegppo.engine.components import (DataOrder, build_optimizer, build_policy, build_reference, build_reward,
-                                      build_rollout, configure_torch, load_splits, set_lr,
-                                      weights_finite)
-from cegppo.engine.batching import Experience, column_token_stats, entropy_mean, entropy_sum, micro_batches
+                                      build_rollout, configure_torch, load_splits, set_lr, weights_finite)
+from cegppo.engine.model_forward import fused_head_supported
 from cegppo.engine.precision import resolve_device, resolve_precision
 from cegppo.engine.reporter import Reporter, Silent
-from cegppo.engine.collect import collect
 from cegppo.engine.rollout import RolloutBatch
 from cegppo.engine.rundir import RunDir, TrainingError
 from cegppo.faults import failpoint
@@ -78,8 +78,7 @@ class Trainer:
         if cfg.model.gradient_checkpointing:
             self.model.gradient_checkpointing_enable()
         self.precision = resolve_precision(cfg.model.precision, self.device)
-        fused = cfg.model.fused_lm_head
-        self.fused_head = fused_head_supported(self.model) if fused == "auto" else fused
+        self.fused_head = fused_head_supported(self.model) if cfg.model.fused_lm_head == "auto" else cfg.model.fused_lm_head
         self.optimizer, self.scheduler = build_optimizer(cfg.optim, self.model)
         self.state = {"step": 0, "cursor": 0, "bad_steps": 0}
         if resume_from is not None:
@@ -95,7 +94,7 @@ class Trainer:
         self.state["run_id"] = run_id  # kept in every checkpoint: pruning only touches this run's
         self.state["config"] = cfg.to_dict()  # the config in force, compared on the next --resume
         self.run.truncate_logs(self.state["step"], resumed=resume_from is not None)
-        self.engine = build_rollout(cfg, self.model, self.tokenizer)
+        self.generator = build_rollout(cfg, self.model, self.tokenizer)  # samples the rollouts (HF or vLLM)
         self.progress: Reporter = Silent()  # the run loop (cegppo.recipes.train_loop) puts a visible one here
         if resume_from is None:
             self.run.start(run_id, cfg)
@@ -141,7 +140,7 @@ class Trainer:
                         break
                     skipped += not applied
             metrics["entropy"] = entropy_mean(entropy)  # the rollout policy's, every response
-            self.engine.sync(self.model)  # the weights changed: copy them into the rollout engine
+            self.generator.sync(self.model)  # the weights changed: copy them into the generator
         metrics["lr"] = self.optimizer.param_groups[0]["lr"]
         self.scheduler.step()  # once per training step, as the authors' LambdaLR
         metrics.update(acc.result())
@@ -177,7 +176,7 @@ class Trainer:
 
     def collect(self, step: int) -> tuple[Experience | None, dict]:
         """This step's experience (:func:`cegppo.engine.collect.collect`), advancing the data cursor."""
-        exp, stats, self.state["cursor"] = collect(self.cfg, step, self.data, self.state["cursor"], self.engine,
+        exp, stats, self.state["cursor"] = collect(self.cfg, step, self.data, self.state["cursor"], self.generator,
                                                    self.reward_fn, self.tokenizer.pad_token_id, self.progress)
         return exp, stats
 
@@ -190,26 +189,10 @@ class Trainer:
         """:func:`micro_batches` under ``train.micro_batch_size`` and ``train.micro_batch_tokens``."""
         return micro_batches(rb, rows, self.cfg.train.micro_batch_size, self.cfg.train.micro_batch_tokens)
 
-    @torch.no_grad()
     def old_log_probs(self, exp: Experience, skip: Tensor) -> Tensor:
-        """Fill ``exp.old_log_prob`` (and ``ref_log_prob``) in micro-batches, except for the rows ``skip`` (which
-        :meth:`update` fills on-policy); returns ``[sum of entropy, tokens]`` over the rows it covered."""
-        B, T = exp.rollouts.response_mask.shape
-        skipped = set(skip.tolist())
-        todo = torch.tensor([i for i in range(B) if i not in skipped], dtype=torch.long)
-        exp.old_log_prob, exp.old_entropy = torch.zeros(B, T, device=self.device), torch.zeros(B, T, device=self.device)
-        entropy = torch.zeros(2, device=self.device)
-        done = 0
-        for rows in self.micro_batches(exp.rollouts, todo):
-            self.progress.heartbeat(f"{done}/{len(todo)} sequences")
-            done += len(rows)
-            lp, ent, _ = self.token_stats(self.model, exp.rollouts, rows)
-            exp.old_log_prob[rows], exp.old_entropy[rows] = lp, ent
-            entropy += entropy_sum(ent, exp.mask[rows])
-        exp.ref_log_prob = None if self.ref_model is None else torch.zeros(B, T, device=self.device)
-        for rows in self.micro_batches(exp.rollouts, torch.arange(B)) if self.ref_model is not None else []:
-            exp.ref_log_prob[rows] = self.token_stats(self.ref_model, exp.rollouts, rows)[0]
-        return entropy
+        """:func:`fill_old_log_probs` of every row but ``skip`` (which :meth:`update` fills on-policy)."""
+        return fill_old_log_probs(exp, skip, self.model, self.ref_model, self.token_stats, self.micro_batches,
+                                  self.progress.heartbeat)
 
     def update(self, exp: Experience, mb: Tensor, acc: MetricAccumulator, step: int,
                on_policy_entropy: Tensor | None = None) -> tuple[bool, dict[str, float]]:
@@ -235,8 +218,8 @@ class Trainer:
             old, adv, mk, correct = exp.old_log_prob[rows], exp.advantages[rows], mask[rows], exp.correct[rows]
             ref = None if exp.ref_log_prob is None else exp.ref_log_prob[rows]
             erc = entropy_ratio_mask(ent, exp.old_entropy[rows], mk, a.erc_low, a.erc_high) if a.erc else None
-            pg, m = policy_loss(self.objective, lp, old, adv, mk, reduce=reduce,
-                                token_weights=self.engine_correction(exp, rows, acc), gradient_mask=erc)
+            tis = sampler_correction(exp, rows, self.cfg.rollout.tis_cap, acc)  # vLLM's sampling log-probs: TIS
+            pg, m = policy_loss(self.objective, lp, old, adv, mk, reduce=reduce, token_weights=tis, gradient_mask=erc)
             c_nll, c_kl, c_ent = a.positive_loss_coeff, a.kl_coeff, self.entropy_coeff()  # a term is built only if used
             nll = correct_nll(lp, mk, correct, num_tokens=n_correct_tok) if c_nll else 0.0
             kl = kl_penalty(lp, ref, mk, reduce=reduce) if c_kl else 0.0
@@ -268,17 +251,6 @@ class Trainer:
         log.warning("step %d: non-finite %s; update skipped (train/skipped_updates)", step,
                     "loss" if not bool(finite_loss) else f"gradient norm ({float(grad_norm)})")
         return False, mb_metrics
-
-    def engine_correction(self, exp: Experience, rows: Tensor, acc: MetricAccumulator) -> Tensor | None:
-        """With a generator that reports its sampling log-probs (vLLM): log ``rollout/logp_diff`` (mean |log pi_old -
-        log pi_sampler|) and, with ``rollout.tis_cap``, return these rows' :func:`tis_weights` (else None)."""
-        sampled = exp.rollouts.sampled_log_prob
-        if sampled is None:
-            return None
-        m, diff = exp.mask[rows], exp.old_log_prob[rows] - sampled[rows]
-        acc.add({"rollout/logp_diff": (diff.abs() * m).sum() / m.sum().clamp(min=1)}, m.sum())
-        cap = self.cfg.rollout.tis_cap
-        return tis_weights(exp.old_log_prob[rows], sampled[rows], cap) if cap > 0 else None
 
     def save(self) -> Path:
         """A checkpoint of this step (policy, optimizer, scheduler, data position, autopilot), pruned to
