@@ -86,3 +86,18 @@ def test_kl_early_stop_skips_the_rest_of_the_step(tiny_config, tmp_path):
                              "train.save_every=0", out=tmp_path / "nokl")) as tr:
         (row,) = train_loop(tr)
     assert "train/kl_stopped_at" not in row
+
+
+def test_the_authors_stack_is_one_preset_the_paper_configs_take():
+    """examples/stacks/authors.yaml: warm-up 10, weight decay 0.1, grad clip 1, NLL on correct rollouts 0.1, the
+    overlong filter; paper_1p5b / paper_7b take it with `base:` and a dotted override still wins."""
+    from cegppo.cli import example_config
+    from cegppo.config import load_config
+
+    for name in ("paper_1p5b", "paper_7b"):
+        assert "base: stacks/authors.yaml" in example_config(name).read_text()
+        cfg = load_config(example_config(name))
+        assert (cfg.optim.lr, cfg.optim.warmup_steps, cfg.optim.weight_decay, cfg.optim.grad_clip) == (1e-6, 10, 0.1, 1.0)
+        assert cfg.algorithm.positive_loss_coeff == 0.1 and cfg.algorithm.overlong_filter
+        assert cfg.algorithm.hparams["clip_ratio_c"] == 10.0
+        assert not load_config(example_config(name), ["algorithm.overlong_filter=false"]).algorithm.overlong_filter
