@@ -80,6 +80,17 @@ def worker(cell: dict, sz: dict, device: str, data_dir: Path, run_dir: Path, thr
                 wall_s=time.perf_counter() - t0)
 
 
+def replay_guard(steps: dict[str, list]) -> list[str]:
+    """The collapse guard's findings on a record's per-step metrics (as the trainer would log them now), so that every
+    record is judged by the same, current rule when the report is built."""
+    from cegppo.algorithm.collapse import CollapseGuard
+
+    guard, found = CollapseGuard(), []
+    for i in range(len(steps["entropy"])):
+        found += [f"step {i + 1}: {f}" for f in guard.check({k: v[i] for k, v in steps.items()})]
+    return found
+
+
 def collapsed(guard_findings: list[str], final_accuracy: float) -> bool:
     """The map's collapse definition, fixed before any run (module docstring)."""
     return bool(guard_findings) or final_accuracy < COLLAPSE_ACCURACY
@@ -138,6 +149,13 @@ def run_all(args, out: Path) -> dict:
                                 collapse=f"guard finding at any step, or final held-out accuracy < {COLLAPSE_ACCURACY}"),
                   **provenance(__file__, "fp32"))
     return result
+
+
+def judge(runs: list[dict]) -> None:
+    """Each record's guard findings and collapse verdict, from its steps under the current guard."""
+    for r in runs:
+        r["guard"] = replay_guard(r["steps"])
+        r["collapsed"] = collapsed(r["guard"], r["final_accuracy"])
 
 
 def summarize(runs: list[dict]) -> list[dict]:
@@ -248,6 +266,7 @@ def main() -> None:
     out = args.out or (Path("runs/stability_map_quick") if args.quick else RESULTS)
     out.mkdir(parents=True, exist_ok=True)
     result = json.loads(args.collect.read_text()) if args.collect else run_all(args, out)
+    judge(result["runs"])
     plot(result, out)
     write_results(out, "stability_map", result, report(result))
 

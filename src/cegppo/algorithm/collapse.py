@@ -6,7 +6,9 @@ then, each rule one named failure with its evidence:
 
 - ``trust region``: KL(old || new) of the step's last mini-batch (``mb_last/ppo_kl``) or its beta1-region share
   (``mb_last/clip/low_frac``, negative-advantage tokens pushed below ``1 - eps_low``) past a bound;
-- ``responses at the cap``: the share of responses cut at ``rollout.max_new_tokens`` past a bound;
+- ``responses at the cap``: the share of responses cut at ``rollout.max_new_tokens`` past a bound and risen well
+  above its lowest so far (a base model may start at the cap; a run that learned to stop and then runs back to it
+  has collapsed);
 - ``entropy exploding`` / ``entropy collapsing``: the rollouts' entropy against the first step's;
 - ``reward collapsing``: accuracy near zero after the first steps, or the mean reward far below its best so far.
 
@@ -26,7 +28,8 @@ class CollapseBounds:
 
     kl: float = 0.5  # nats/token, KL(old || new) over the step's last mini-batch
     beta1_share: float = 0.4  # share of tokens in the beta1 region in the step's last mini-batch
-    truncated: float = 0.5  # share of responses cut at the token cap
+    truncated: float = 0.5  # share of responses cut at the token cap ...
+    truncated_rise: float = 0.3  # ... that has also risen this much above its lowest so far
     entropy_high: float = 3.0  # x the first step's entropy
     entropy_low: float = 0.02  # x the first step's entropy
     min_accuracy: float = 0.05  # rollout accuracy at or below this, from step `warmup_steps` + 1 on
@@ -56,8 +59,11 @@ class CollapseGuard:
         if low is not None and low > b.beta1_share:
             out.append(f"trust region: {100 * low:.1f}% of tokens in the beta1 region > {100 * b.beta1_share:g}%")
         cut = value("response_length/clip_ratio")
-        if cut is not None and cut > b.truncated:
-            out.append(f"responses at the cap: {100 * cut:.0f}% cut at the token limit > {100 * b.truncated:g}%")
+        if cut is not None:
+            low = s["lowest_truncated"] = min(s.get("lowest_truncated", cut), cut)
+            if cut > b.truncated and cut - low >= b.truncated_rise:
+                out.append(f"responses at the cap: {100 * cut:.0f}% cut at the token limit > {100 * b.truncated:g}%, up "
+                           f"from {100 * low:.0f}%")
         h = value("entropy")
         if h is not None:
             h0 = s.setdefault("first_entropy", h)
