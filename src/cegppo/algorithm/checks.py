@@ -3,7 +3,8 @@
 
 They run in the training hot path, so they read metadata only (shape, dtype, device) and Python numbers. A
 tensor's *values* are read only where that costs no device sync: a CPU tensor, or once per step
-(:func:`check_normaliser` explains what happens to a normaliser that lives on an accelerator).
+(:func:`check_normaliser` explains what happens to a normaliser that lives on an accelerator;
+:func:`check_mask_values` does not read a mask that lives on one).
 """
 
 from __future__ import annotations
@@ -59,6 +60,23 @@ def check_tensor(fn: str, name: str, x: Any, shapes: tuple[int, ...] | list[tupl
         raise ValueError(f"{fn}: {name} must be {kind}, got dtype {x.dtype}")
     if like is not None and x.device != like.device:
         raise ValueError(f"{fn}: {name} is on {x.device}; expected {like.device}, the device of {like_name}")
+
+
+def check_mask_values(fn: str, name: str, mask: Tensor) -> None:
+    """A mask (checked by :func:`check_tensor` first) holds only 0 and 1: it selects tokens, it does not weigh them
+    (``-mask`` would flip the loss's sign, ``0.5 * mask`` halve a term); else one ``ValueError``.
+
+    A bool mask is always fine. The values are read only on the CPU: on an accelerator they are not read (that
+    would wait for the device at every micro-batch), so there a weighted or negative mask is not detected; the
+    trainer and the integrations build their masks as bool or 0/1 tensors.
+    """
+    if mask.dtype == torch.bool or mask.device.type != "cpu":
+        return
+    bad = (mask != 0) & (mask != 1)  # NaN is neither
+    if bool(bad.any()):
+        value = mask[bad][0].item()
+        raise ValueError(f"{fn}: {name} must hold only 0 and 1 (bool or 0/1: a mask selects tokens, it does not "
+                         f"weigh them), got {value!r} at {tuple(int(i) for i in bad.nonzero()[0])}")
 
 
 def check_number(fn: str, name: str, value: Any, *, low: float = -math.inf, high: float = math.inf,

@@ -9,7 +9,9 @@
 ``reduce`` is an engine's aggregation ``(values [B, T], mask [B, T]) -> scalar``: :func:`aggregator` builds ours
 (token-mean over the whole mini-batch's tokens, ...); verl and TRL pass their own. Every term treats the positions
 where ``mask == 0`` as absent: their values are selected out before anything reads them (a NaN or Inf there reaches
-neither the loss, nor the metrics, nor the gradient), and nothing synchronises with the host.
+neither the loss, nor the metrics, nor the gradient), and nothing synchronises with the host. A mask holds 0 and 1
+only (bool, integer or floating): other values are refused (read on the CPU only, ``checks.check_mask_values``);
+``token_weights`` and ``kl_penalty``'s ``weights`` are the place for per-token weights.
 """
 
 from __future__ import annotations
@@ -20,7 +22,8 @@ from typing import Callable
 import torch
 from torch import Tensor
 
-from cegppo.algorithm.checks import FLOAT, MASK, REAL, check_normaliser, check_number, check_tensor, describe
+from cegppo.algorithm.checks import (FLOAT, MASK, REAL, check_mask_values, check_normaliser, check_number,
+                                    check_tensor, describe)
 from cegppo.algorithm.clipping import log_ratio
 from cegppo.algorithm.diagnostics import quadrant_metrics, region_metrics
 from cegppo.algorithm.objectives import AGGREGATIONS, Objective, _aggregate
@@ -62,9 +65,15 @@ def _check(fn: str, log_prob: Tensor, mask: Tensor, *others: tuple[str, Tensor |
     check_tensor(fn, "log_prob", log_prob, None, FLOAT)
     B, T = log_prob.shape
     check_tensor(fn, "mask", mask, (B, T), MASK, like=log_prob)
+    check_mask_values(fn, "mask", mask)
     for name, x, shapes, kind in others:
         if x is not None:
             check_tensor(fn, name, x, (B, T) if shapes is None else shapes, kind, like=log_prob)
+            if name in ZERO_ONE:
+                check_mask_values(fn, name, x)
+
+
+ZERO_ONE = ("gradient_mask", "correct")  # the other indicator arguments: 0/1 like the mask (weights may be any)
 
 
 def _reduce_or_token_mean(fn: str, reduce: Reduce | None) -> Reduce:
@@ -82,9 +91,10 @@ def policy_loss(objective: Objective, log_prob: Tensor, old_log_prob: Tensor, ad
     regions' shares, ``ppo_kl``, the mean ratio, ``pg_loss``: token means over this batch, 0-d tensors).
 
     Shapes: ``log_prob``, ``old_log_prob``, ``mask``, ``token_weights`` ``[B, T]``; ``advantages`` ``[B]``,
-    ``[B, 1]`` or ``[B, T]``. Nothing is broadcast: another shape, a non-floating log-prob, a complex mask or a
-    tensor on another device raises ``ValueError`` naming the argument. ``reduce`` defaults to the objective's own
-    aggregation over this batch (token-mean; GSPO: seq-mean-token-mean). ``token_weights`` multiply the objective
+    ``[B, 1]`` or ``[B, T]``. Nothing is broadcast: another shape, a non-floating log-prob, a complex mask, a
+    mask (or ``gradient_mask``) holding values other than 0 and 1, or a tensor on another device raises
+    ``ValueError`` naming the argument. ``reduce`` defaults to the objective's own aggregation over this batch
+    (token-mean; GSPO: seq-mean-token-mean). ``token_weights`` (any non-negative weights) multiply the objective
     per token (truncated importance sampling, :func:`tis_weights`). ``gradient_mask`` (bool ``[B, T]``) keeps the
     gradient of the tokens where it is true and stops it elsewhere, the loss's value unchanged (ERC,
     :func:`entropy_ratio_mask`).
@@ -138,6 +148,7 @@ def entropy_bonus(entropy: Tensor | None, mask: Tensor, *, reduce: Reduce | None
     if entropy is None:
         return mask.new_zeros((), dtype=torch.float32)
     check_tensor("entropy_bonus", "mask", mask, None, MASK)
+    check_mask_values("entropy_bonus", "mask", mask)
     check_tensor("entropy_bonus", "entropy", entropy, tuple(mask.shape), FLOAT, like=mask, like_name="mask")
     return _reduce_or_token_mean("entropy_bonus", reduce)(_zero_masked(entropy, _keep(mask)), mask)
 
@@ -175,6 +186,7 @@ def entropy_ratio_mask(entropy: Tensor, old_entropy: Tensor, mask: Tensor, low: 
     check_tensor("entropy_ratio_mask", "old_entropy", old_entropy, tuple(entropy.shape), FLOAT, like=entropy,
                  like_name="entropy")
     check_tensor("entropy_ratio_mask", "mask", mask, tuple(entropy.shape), MASK, like=entropy, like_name="entropy")
+    check_mask_values("entropy_ratio_mask", "mask", mask)
     ratio = (entropy.detach() + 1e-8) / (old_entropy + 1e-8)
     return (ratio > low) & (ratio < high) & _keep(mask)
 

@@ -3,12 +3,19 @@
 Config files are untrusted input: they are read with a size cap, must be UTF-8, are parsed with the safe
 (C, where available) YAML loader after a cheap pass over the event stream that bounds nesting depth and the
 node count after alias expansion ("billion laughs"), and every error is one bounded line.
+
+Numbers follow YAML 1.2 (core schema), in files and in overrides alike: ``010`` is 10 and ``0777`` is 777 (YAML 1.1
+read them as octal: 8, 511), ``0o17`` is 15, ``0x1F`` is 31, ``1e3`` is the float 1000.0, and ``1:30`` or ``1_000``
+are text (YAML 1.1 read them as 90 and 1000), which a numeric key refuses naming the key. Booleans, nulls and the
+rest stay as PyYAML's safe loader reads them. ``save_config`` quotes any text that YAML 1.1 or 1.2 would read as a
+number, so a saved config reads back the same under either.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import os
+import re
 import typing
 from pathlib import Path
 from typing import Any
@@ -26,7 +33,52 @@ MAX_YAML_DEPTH = 64  # nesting of YAML collections
 MAX_BASE_DEPTH = 16  # `base:` chain length
 
 
-_LOADER = getattr(yaml, "CSafeLoader", yaml.SafeLoader)  # the C parser where PyYAML was built with libyaml
+_SAFE_LOADER = getattr(yaml, "CSafeLoader", yaml.SafeLoader)  # the C parser where PyYAML was built with libyaml
+_INT, _FLOAT = "tag:yaml.org,2002:int", "tag:yaml.org,2002:float"
+# YAML 1.2 core schema (yaml.org/spec/1.2.2, 10.3.2): the only plain scalars that are numbers
+_INT_12 = re.compile(r"^(?:[-+]?[0-9]+|0o[0-7]+|0x[0-9a-fA-F]+)$")
+_FLOAT_12 = re.compile(r"^(?:[-+]?(?:\.[0-9]+|[0-9]+(?:\.[0-9]*)?)(?:[eE][-+]?[0-9]+)?"
+                       r"|[-+]?\.(?:inf|Inf|INF)|\.(?:nan|NaN|NAN))$")
+
+
+def _resolvers_12(base: dict, *, keep_11: bool) -> dict:
+    """``base``'s implicit resolvers with YAML 1.2's int and float ones, which are tried first; ``keep_11`` keeps
+    YAML 1.1's too (for the dumper, which quotes text that either would read as a number)."""
+    out = {ch: [(tag, rx) for tag, rx in lst if keep_11 or tag not in (_INT, _FLOAT)] for ch, lst in base.items()}
+    for ch in "-+.0123456789":  # int first, then float: "10" is an int; both before 1.1's (timestamp, ...)
+        ours = [(_INT, _INT_12)] * (ch != ".") + [(_FLOAT, _FLOAT_12)]
+        out[ch] = ours + out.get(ch, [])
+    return out
+
+
+def _int_12(loader: Any, node: yaml.ScalarNode) -> int:
+    text = loader.construct_scalar(node)
+    if text.startswith(("0o", "0x")):
+        return int(text[2:], 8 if text[1] == "o" else 16)
+    return int(text, 10)  # a leading zero is decimal: "010" is 10
+
+
+def _float_12(loader: Any, node: yaml.ScalarNode) -> float:
+    text = loader.construct_scalar(node)
+    special = {".inf": "inf", "+.inf": "inf", "-.inf": "-inf", ".nan": "nan"}.get(text.lower())
+    return float(special or text)
+
+
+class _Loader(_SAFE_LOADER):  # type: ignore[misc, valid-type]
+    """The safe loader with YAML 1.2 numbers."""
+
+    yaml_implicit_resolvers = _resolvers_12(_SAFE_LOADER.yaml_implicit_resolvers, keep_11=False)
+
+
+_Loader.add_constructor(_INT, _int_12)
+_Loader.add_constructor(_FLOAT, _float_12)
+_LOADER = _Loader
+
+
+class _Dumper(yaml.SafeDumper):
+    """``yaml.safe_dump`` that also quotes text YAML 1.2 reads as a number (``1e3``, ``0o17``)."""
+
+    yaml_implicit_resolvers = _resolvers_12(yaml.SafeDumper.yaml_implicit_resolvers, keep_11=True)
 
 
 def _check_yaml_events(loader: Any, source: str) -> None:
@@ -240,4 +292,4 @@ def _load(path: str | Path | None, overrides: list[str], chain: tuple[str, ...])
 
 
 def save_config(cfg: Config, path: Path) -> None:
-    atomic_write_text(path, yaml.safe_dump(cfg.to_dict(), sort_keys=False))
+    atomic_write_text(path, yaml.dump(cfg.to_dict(), Dumper=_Dumper, sort_keys=False))

@@ -95,6 +95,36 @@ def _gold(ground_truth: str) -> tuple:
     return tuple(_parse(f"\\boxed{{{ground_truth}}}"))
 
 
+def _judged_text(parsed: list) -> str | None:
+    """The text of math-verify's extraction (its string form; else the expression's), None for no extraction."""
+    texts = [p for p in parsed if isinstance(p, str) and p.strip()]
+    if texts:
+        return texts[-1].strip()
+    return (str(parsed[0]).strip() or None) if parsed else None
+
+
+def judge_math(completion: str, ground_truth: str, *, mode: str = "strict") -> tuple[bool, str | None]:
+    """(is `completion` correct for `ground_truth`, the answer that verdict rests on: the extraction the grader
+    compared with the gold, stripped; None when it found none). See :func:`math_reward`."""
+    if mode not in MODES:
+        raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+    gt = ground_truth.strip()
+    if mode == "strict":
+        content = last_boxed(completion)
+        if content is None or not content.strip():
+            return False, None
+        if content.strip() == gt:
+            return True, content.strip()
+        return _verify(list(_gold(gt)), _parse(f"\\boxed{{{content}}}")), content.strip()
+    if not completion.strip():
+        return False, None
+    parsed = _parse(completion)
+    answer = _judged_text(parsed)
+    if any(isinstance(p, str) and p.strip() == gt for p in parsed):
+        return True, answer
+    return bool(parsed) and _verify(list(_gold(gt)), parsed), answer
+
+
 def math_reward(completion: str, ground_truth: str, *, mode: str = "strict") -> bool:
     """Is `completion` correct for `ground_truth`?
 
@@ -102,22 +132,7 @@ def math_reward(completion: str, ground_truth: str, *, mode: str = "strict") -> 
     lenient: math-verify's own extraction on the whole completion (the authors' reward: last boxed answer,
     else last LaTeX/number), plus an exact string match of the gold. The paper's reward.
     """
-    if mode not in MODES:
-        raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
-    gt = ground_truth.strip()
-    if mode == "strict":
-        content = last_boxed(completion)
-        if content is None or not content.strip():
-            return False
-        if content.strip() == gt:
-            return True
-        return _verify(list(_gold(gt)), _parse(f"\\boxed{{{content}}}"))
-    if not completion.strip():
-        return False
-    parsed = _parse(completion)
-    if any(isinstance(p, str) and p.strip() == gt for p in parsed):
-        return True
-    return bool(parsed) and _verify(list(_gold(gt)), parsed)
+    return judge_math(completion, ground_truth, mode=mode)[0]
 
 
 def math_strict(completion: str, ground_truth: str) -> bool:
@@ -126,6 +141,12 @@ def math_strict(completion: str, ground_truth: str) -> bool:
 
 def math_lenient(completion: str, ground_truth: str) -> bool:
     return math_reward(completion, ground_truth, mode="lenient")
+
+
+# A scorer may carry ``judge(completion, ground_truth) -> (bool | float, answer: str | None)``: the same verdict
+# and the answer it judged, which maj@k votes over (cegppo.engine.evaluation); the built-in rewards do.
+math_strict.judge = functools.partial(judge_math, mode="strict")  # type: ignore[attr-defined]
+math_lenient.judge = functools.partial(judge_math, mode="lenient")  # type: ignore[attr-defined]
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -138,7 +159,10 @@ TIMEOUT_PREFIX = "timed out after"  # how a per-item timeout's failure message s
 class RewardResult:
     """One batch's grades. ``failures`` counts the items the scorer failed on (raised, timed out or returned
     garbage: each scored incorrect), ``timeouts`` the timed-out ones among them; ``failed`` / ``timed_out`` flag
-    each item (empty when the producer of the result does not track items)."""
+    each item (empty when the producer of the result does not track items). ``answers`` holds, per item, the answer
+    the scorer judged when it reports one (a scorer with a ``judge``, as the built-in math rewards: their extraction;
+    None where it found none or failed); it is empty when the scorer reports none (maj@k then votes over the
+    normalised responses)."""
 
     scores: list[float]
     correct: list[bool]
@@ -147,6 +171,7 @@ class RewardResult:
     timeouts: int = 0
     failed: list[bool] = field(default_factory=list)
     timed_out: list[bool] = field(default_factory=list)
+    answers: list[str | None] = field(default_factory=list)
 
     @property
     def accuracy(self) -> float:
@@ -185,6 +210,9 @@ class RewardFn:
     KeyboardInterrupt propagates), timeouts (per item, `timeout` seconds in (0, 3600], main thread only),
     and any result that is not a bool or a finite float (NaN, inf, an int that overflows a float, None,
     lists, arrays, other objects) score incorrect_score and are counted in `failures`.
+
+    A scorer that carries ``judge(completion, ground_truth) -> (bool | float, answer: str | None)`` is graded
+    through it: the same verdict, plus the answer it judged (``RewardResult.answers``, which maj@k votes over).
     """
 
     def __init__(self, scorer: Scorer, *, correct_score: float = 1.0, incorrect_score: float = -1.0,
@@ -201,6 +229,8 @@ class RewardFn:
             raise ValueError(f"timeout must be a number of seconds in (0, {MAX_TIMEOUT_S:g}] or None, "
                              f"got {timeout!r:.60}")
         self.scorer = scorer
+        judge = getattr(scorer, "judge", None)
+        self.judge: Callable[[str, str], tuple] | None = judge if callable(judge) else None
         self.correct_score = float(correct_score)
         self.incorrect_score = float(incorrect_score)
         self.timeout = None if timeout is None else float(timeout)
@@ -216,7 +246,9 @@ class RewardFn:
             raise ValueError(f"{len(completions)} completions but {len(answers)} answers")
         res = RewardResult(scores=[], correct=[])
         for i, (c, a) in enumerate(zip(completions, answers)):
-            score, ok, err = self.score_one(c, a)
+            score, ok, err, judged = self.grade_one(c, a)
+            if self.judge is not None:
+                res.answers.append(judged)
             res.scores.append(score)
             res.correct.append(ok)
             res.failed.append(err is not None)
@@ -230,20 +262,40 @@ class RewardFn:
 
     def score_one(self, completion: str, answer: str) -> tuple[float, bool, str | None]:
         """(score, correct, failure message or None)."""
+        return self.grade_one(completion, answer)[:3]
+
+    def grade_one(self, completion: str, answer: str) -> tuple[float, bool, str | None, str | None]:
+        """(score, correct, failure message or None, the answer the scorer's ``judge`` judged or None)."""
         try:
             return self._run(completion, answer)
         except _ScorerTimeout:
-            return self.incorrect_score, False, f"{TIMEOUT_PREFIX} {self.timeout:g} s"
+            return self.incorrect_score, False, f"{TIMEOUT_PREFIX} {self.timeout:g} s", None
         except KeyboardInterrupt:
             raise
         except BaseException as e:  # noqa: BLE001 - the timer itself failed: still one counted failure
-            return self.incorrect_score, False, f"{type(e).__name__}: {_text(e)}"
+            return self.incorrect_score, False, f"{type(e).__name__}: {_text(e)}", None
 
-    def _score(self, completion: str, answer: str) -> tuple[float, bool, str | None]:
-        """Call the scorer and interpret its result; runs under the timer (a hang in the result's own
-        __bool__/__float__/__repr__ is cut too). Only a KeyboardInterrupt or our timeout escapes."""
+    def _score(self, completion: str, answer: str) -> tuple[float, bool, str | None, str | None]:
+        """Call the scorer (its ``judge`` where it has one) and interpret its result; runs under the timer (a hang
+        in the result's own __bool__/__float__/__repr__ is cut too). Only a KeyboardInterrupt or our timeout
+        escapes."""
+        if self.judge is None:
+            return (*self._verdict(completion, answer, self.scorer), None)
+        judged: list = [None]
+
+        def verdict(c: str, a: str) -> object:
+            out = self.judge(c, a)  # type: ignore[misc]
+            if not (isinstance(out, tuple) and len(out) == 2 and (out[1] is None or isinstance(out[1], str))):
+                raise TypeError(f"judge returned {_text(out, 60)}; expected (verdict, answer: str or None)")
+            judged[0] = None if out[1] is None else str.__str__(out[1])  # a plain str (no user __eq__/__hash__)
+            return out[0]
+
+        score, ok, err = self._verdict(completion, answer, verdict)
+        return score, ok, err, judged[0] if err is None else None
+
+    def _verdict(self, completion: str, answer: str, scorer: Callable) -> tuple[float, bool, str | None]:
         try:
-            value = self.scorer(completion, answer)
+            value = scorer(completion, answer)
             if isinstance(value, bool) or (type(value).__module__ == "numpy"
                                            and type(value).__name__ in ("bool_", "bool")):  # numpy 1 / 2
                 return (self.correct_score, True, None) if value else (self.incorrect_score, False, None)
@@ -262,7 +314,7 @@ class RewardFn:
         except BaseException as e:  # noqa: BLE001 - SystemExit too: user code cannot end a run
             return self.incorrect_score, False, f"{type(e).__name__}: {_text(e)}"
 
-    def _run(self, completion: str, answer: str) -> tuple[float, bool, str | None]:
+    def _run(self, completion: str, answer: str) -> tuple[float, bool, str | None, str | None]:
         global _outer_timer_active, _warned_no_timeout
         if self.timeout is None:
             return self._score(completion, answer)

@@ -13,12 +13,14 @@ import hashlib
 import json
 import logging
 import os
+import re
 import shutil
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from cegppo.errors import show
 from cegppo.faults import failpoint
 from cegppo.io import fsync_dir, one_line, replace_dir
 
@@ -48,9 +50,21 @@ def _fsync_tree(root: Path) -> None:
         fsync_dir(d)
 
 
+_STEP_NAME = re.compile(r"step_([0-9]+)")
+
+
 def step_dir(ckpt_root: Path, step: int) -> Path:
-    """Where the checkpoint of ``step`` lives."""
+    """Where the checkpoint of ``step`` lives: ``step_<step>``, zero-padded to 6 digits (more past 999,999; the
+    checkpoints are ordered by the number, never by the name: :func:`list_checkpoints`)."""
+    if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+        raise CheckpointError(f"a checkpoint's step must be an integer >= 0, got {step!r}")
     return ckpt_root / f"step_{step:06d}"
+
+
+def checkpoint_step(path: Path) -> int | None:
+    """The step number in a checkpoint directory's name (``step_000010`` -> 10); None for any other name."""
+    m = _STEP_NAME.fullmatch(path.name)
+    return int(m.group(1)) if m else None
 
 
 def save_checkpoint(
@@ -109,15 +123,32 @@ def checkpoint_run_id(path: Path) -> Any:
         return _NO_OWNER
 
 
+COUNTERS = ("step", "cursor", "bad_steps")  # trainer_state.json's counters: integers >= 0 (step required)
+
+
+def check_trainer_state(file: Path, state: Any) -> dict:
+    """``state`` (read from ``file``) as a training state: an object whose ``step`` is an integer >= 0, as are
+    ``cursor`` and ``bad_steps`` where present; else a :class:`CheckpointError` naming the file."""
+    if not isinstance(state, dict):
+        raise CheckpointError(f"{file}: expected an object with an integer 'step', got {type(state).__name__}")
+    for key in COUNTERS:
+        if key not in state and key != "step":
+            continue
+        v = state.get(key)
+        if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+            raise CheckpointError(f"{file}: '{key}' must be an integer >= 0, got {show(v, 60)}; refusing "
+                                  f"to resume from it (edited or damaged)")
+    return state
+
+
 def read_trainer_state(path: Path) -> dict:
-    """A checkpoint's ``trainer_state.json`` (step, cursor, run id, config), without loading any tensor."""
+    """A checkpoint's ``trainer_state.json`` (step, cursor, run id, config), without loading any tensor; checked
+    by :func:`check_trainer_state`."""
     try:
         state = json.loads((path / "trainer_state.json").read_text())
     except (OSError, ValueError) as e:
         raise CheckpointError(f"{path / 'trainer_state.json'}: unreadable ({type(e).__name__}: {one_line(e, 200)})") from None
-    if not isinstance(state, dict):
-        raise CheckpointError(f"{path / 'trainer_state.json'}: expected an object")
-    return state
+    return check_trainer_state(path / "trainer_state.json", state)
 
 
 def stale_temp_dirs(ckpt_root: Path) -> list[Path]:
@@ -128,10 +159,12 @@ def stale_temp_dirs(ckpt_root: Path) -> list[Path]:
 
 
 def list_checkpoints(ckpt_root: Path) -> list[Path]:
-    """Checkpoint directories, oldest first (temporary directories excluded)."""
+    """Checkpoint directories (``step_<digits>``), oldest first by their step number, not by name (``step_1000000``
+    sorts after ``step_999999``); temporary directories and other names (``step_000010.bak``) are not checkpoints."""
     if not ckpt_root.is_dir():
         return []
-    return sorted(p for p in ckpt_root.glob("step_*") if p.is_dir())
+    found = [(checkpoint_step(p), p.name, p) for p in ckpt_root.glob("step_*")]
+    return [p for step, _, p in sorted((s, n, p) for s, n, p in found if s is not None) if p.is_dir()]
 
 
 def verify_checkpoint(path: Path) -> str | None:
@@ -191,6 +224,4 @@ def load_training_state(path: Path, optimizer: torch.optim.Optimizer, scheduler:
     except (ValueError, KeyError, TypeError, OSError) as e:
         raise CheckpointError(f"{path}: optimizer/scheduler/trainer state does not fit this run "
                               f"({type(e).__name__}: {one_line(e, 200)})") from None
-    if not isinstance(state, dict) or not isinstance(state.get("step"), int):
-        raise CheckpointError(f"{path / 'trainer_state.json'}: expected an object with an integer 'step'")
-    return state
+    return check_trainer_state(path / "trainer_state.json", state)

@@ -1,5 +1,6 @@
 """Evaluation (an engine phase: generate and grade): k samples per problem -> avg@k, pass@k (unbiased estimator) and
-maj@k per data source, each beside the number of graded items the scorer failed or timed out on (a failed item
+maj@k per data source (maj@k votes over the answers the grader judged, so maj@k <= pass@k and maj@1 = avg@1),
+each beside the number of graded items the scorer failed or timed out on (a failed item
 scores incorrect: a broken grader must not read as a weak model)."""
 
 from __future__ import annotations
@@ -10,7 +11,7 @@ from collections import Counter, defaultdict
 from dataclasses import dataclass, field
 
 from cegppo.data.problems import Problem
-from cegppo.data.rewards import RewardFn, last_boxed
+from cegppo.data.rewards import RewardFn
 from cegppo.engine.rollout import Generator, Sampling
 from cegppo.engine.reporter import Reporter
 
@@ -25,7 +26,9 @@ def pass_at_k(n: int, c: int, k: int) -> float:
 
 
 def majority_correct(answers: list[str | None], correct: list[bool]) -> bool:
-    """maj@k: the most common extracted answer (ties: the one seen first) decides; no answer never wins."""
+    """maj@k: the most common answer (ties: the one seen first) decides, with the grader's verdict on its first
+    occurrence; no answer (None) never wins. With :func:`judged_answers`' answers, maj@k <= pass@k (the winner is
+    one of the graded items) and maj@1 = avg@1 (an item without an answer was judged incorrect)."""
     votes = Counter(a for a in answers if a is not None)
     if not votes:
         return False
@@ -36,6 +39,18 @@ def majority_correct(answers: list[str | None], correct: list[bool]) -> bool:
 
 def _normalise(answer: str | None) -> str | None:
     return None if answer is None else " ".join(answer.split()).strip("$ ") or None
+
+
+def judged_answers(texts: list[str], correct: list[bool], answers: list[str | None] | None) -> list[str | None]:
+    """What maj@k votes over, per response: the answer the grader judged (``RewardResult.answers``: the extraction
+    the reward used), normalised; where the reward reports none, the normalised response itself (an empty
+    response too: the grader judged it). None, which never wins a vote, only for an item the grader judged
+    incorrect without an answer; an item judged correct always votes (its response stands in for a missing
+    answer)."""
+    if answers is None or len(answers) != len(texts):
+        return [" ".join(t.split()) for t in texts]
+    return [_normalise(a) if _normalise(a) is not None or not ok else " ".join(t.split())
+            for t, ok, a in zip(texts, correct, answers)]
 
 
 class ScorerFailedError(ValueError):
@@ -111,10 +126,12 @@ def evaluate(
         failed = list(getattr(graded, "failed", None) or [False] * n_items)
         timed_out = list(getattr(graded, "timed_out", None) or [False] * n_items)
         messages += list(getattr(graded, "failure_messages", []))[: 5 - len(messages)]
+        judged = list(getattr(graded, "answers", None) or [])
+        judged = judged if len(judged) == n_items else None  # a reward that reports no answers (or not one each)
         for i, p in enumerate(chunk):
             texts = batch.texts[i * k : (i + 1) * k]
             correct = graded.correct[i * k : (i + 1) * k]
-            answers = [_normalise(last_boxed(t)) for t in texts]
+            answers = judged_answers(texts, correct, judged[i * k : (i + 1) * k] if judged else None)
             c = sum(correct)
             rows.append({
                 "id": p.id, "data_source": p.data_source, "copies": p.copies, "answer": p.answer, "k": k,
