@@ -45,7 +45,8 @@ METHODS = {  # label -> (objective, hparams, extra overrides): the issue's list,
     "CISPO": ("cispo", {}, []),
 }
 KEEP = ("reward/mean", "reward/accuracy", "entropy", "response_length/mean", "response_length/clip_ratio",
-        "mb_last/ppo_kl", "mb_last/clip/low_frac", "mb_last/clip/high_frac", "grad_norm", "collapse/flag")
+        "mb_last/ppo_kl", "mb_last/clip/low_frac", "mb_last/clip/high_frac", "grad_norm", "collapse/flag",
+        "train/kl_stopped_at")
 
 
 def sizes(args) -> dict:
@@ -80,15 +81,23 @@ def worker(cell: dict, sz: dict, device: str, data_dir: Path, run_dir: Path, thr
                 wall_s=time.perf_counter() - t0)
 
 
-def replay_guard(steps: dict[str, list]) -> list[str]:
+def replay_guard(steps: dict[str, list], target_kl: float = 0.0) -> list[str]:
     """The collapse guard's findings on a record's per-step metrics (as the trainer would log them now), so that every
-    record is judged by the same, current rule when the report is built."""
+    record is judged by the same, current rule when the report is built. Records made before ``train/kl_stopped_at``
+    was kept: a KL-stopped step is the one whose last mini-batch's KL passed ``target_kl`` (the stop's own test)."""
     from cegppo.algorithm.collapse import CollapseGuard
 
     guard, found = CollapseGuard(), []
     for i in range(len(steps["entropy"])):
-        found += [f"step {i + 1}: {f}" for f in guard.check({k: v[i] for k, v in steps.items()})]
+        row = {k: v[i] for k, v in steps.items()}
+        if "train/kl_stopped_at" not in steps and target_kl and (row.get("mb_last/ppo_kl") or 0) > target_kl:
+            row["train/kl_stopped_at"] = -1  # stopped, at a mini-batch the record does not name
+        found += [f"step {i + 1}: {f}" for f in guard.check(row)]
     return found
+
+
+def target_kl(method: str) -> float:
+    return next((float(x.split("=")[1]) for x in METHODS[method][2] if x.startswith("train.target_kl=")), 0.0)
 
 
 def collapsed(guard_findings: list[str], final_accuracy: float) -> bool:
@@ -154,7 +163,7 @@ def run_all(args, out: Path) -> dict:
 def judge(runs: list[dict]) -> None:
     """Each record's guard findings and collapse verdict, from its steps under the current guard."""
     for r in runs:
-        r["guard"] = replay_guard(r["steps"])
+        r["guard"] = replay_guard(r["steps"], target_kl(r["method"]))
         r["collapsed"] = collapsed(r["guard"], r["final_accuracy"])
 
 

@@ -52,6 +52,7 @@ def test_each_rule_names_its_failure_and_the_state_resumes():
                          "response_length/clip_ratio": 0.8})
     assert [f.split(":")[0] for f in found] == ["trust region", "trust region", "responses at the cap",
                                                  "entropy exploding"]
+    assert CollapseGuard().check({"mb_last/ppo_kl": 0.9, "train/kl_stopped_at": 3}) == []  # refused update
     resumed = CollapseGuard()
     resumed.load_state_dict(json.loads(json.dumps(guard.state_dict())))
     assert resumed.check({"entropy": 0.01}) == guard.check({"entropy": 0.01})  # the first entropy survived

@@ -5,7 +5,8 @@ at a large step it gives up part of PPO's trust region (docs/algorithm.md §12).
 then, each rule one named failure with its evidence:
 
 - ``trust region``: KL(old || new) of the step's last mini-batch (``mb_last/ppo_kl``) or its beta1-region share
-  (``mb_last/clip/low_frac``, negative-advantage tokens pushed below ``1 - eps_low``) past a bound;
+  (``mb_last/clip/low_frac``, negative-advantage tokens pushed below ``1 - eps_low``) past a bound (not when
+  ``train.target_kl`` stopped the step at that mini-batch: its update was refused);
 - ``responses at the cap``: the share of responses cut at ``rollout.max_new_tokens`` past a bound and risen well
   above its lowest so far (a base model may start at the cap; a run that learned to stop and then runs back to it
   has collapsed);
@@ -54,6 +55,8 @@ class CollapseGuard:
             return None if v is None or v != v else float(v)  # absent or NaN: the rule does not apply
 
         kl, low = value("mb_last/ppo_kl"), value("mb_last/clip/low_frac")
+        if row.get("train/kl_stopped_at"):  # the KL early stop refused that mini-batch: the step stayed in bounds
+            kl = low = None
         if kl is not None and kl > b.kl:
             out.append(f"trust region: KL(old||new) {kl:.3f} nats/token in the last mini-batch > {b.kl:g}")
         if low is not None and low > b.beta1_share:
