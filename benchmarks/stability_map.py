@@ -2,7 +2,7 @@
 
     python benchmarks/stability_map.py --quick                       # tiny model, 2 cells: checks the pipeline
     python benchmarks/stability_map.py --device cuda --parallel 16 --budget-s 240 --out DIR
-    python benchmarks/stability_map.py --collect DIR/stability_map.json --out benchmarks/results/gpu_h200
+    python benchmarks/stability_map.py --from-json DIR/stability_map.json --out benchmarks/results  # report only
 
 Every cell (method x learning rate x seed) is one run of the entropy benchmark's setting (SmolLM2-135M on the
 additions a + b, temperature 1.0, 16 prompts x 8 samples, <= 40 new tokens, 4 AdamW mini-batches per step, warm-up
@@ -258,7 +258,7 @@ def main() -> None:
     ap.add_argument("--parallel", type=int, default=1, help="cells run at a time, each its own process")
     ap.add_argument("--budget-s", type=float, default=float("inf"), help="start no cell after this many seconds")
     ap.add_argument("--restore", type=Path, help="a stability_map.json whose runs are kept (resume)")
-    ap.add_argument("--collect", type=Path, help="only rebuild the report from this stability_map.json")
+    ap.add_argument("--collect", "--from-json", type=Path, help="only rebuild the report from this stability_map.json")
     ap.add_argument("--out", type=Path)
     ap.add_argument("--worker", help=argparse.SUPPRESS)
     ap.add_argument("--settings", help=argparse.SUPPRESS)

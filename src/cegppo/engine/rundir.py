@@ -56,13 +56,14 @@ WORK_FILES = ("metrics.jsonl", "eval.jsonl", "summary.json", "checkpoints")
 FIXED_KEYS = (
     "model.*", "data.*", "rollout.*", "reward.*", "algorithm.*", "sft.*",
     "train.seed", "train.prompts_per_step", "train.gen_prompts_per_step", "train.mini_batches", "train.ppo_epochs",
+    "train.target_kl",
     "optim.betas", "optim.weight_decay", "optim.warmup_steps",
 )
 MUTABLE_KEYS = (
     "output_dir",
     "train.steps", "train.save_every", "train.keep_checkpoints", "train.max_bad_steps", "train.micro_batch_size",
     "train.micro_batch_tokens",
-    "train.threads", "train.deterministic",
+    "train.threads", "train.deterministic", "train.on_collapse",
     "optim.lr", "optim.grad_clip",
     "eval.*", "logging.*",
 )
