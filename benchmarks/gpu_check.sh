@@ -102,11 +102,11 @@ if want trl; then
         -k two_off_policy_steps --junitxml "$out/pytest_trl.xml"
 fi
 if want quickstart; then
-    rm -rf /tmp/gpu_quickstart
+    rm -rf runs/gpu_quickstart
     run_part quickstart 210 python3 -m cegppo.cli train quickstart model.device=$dev train.steps=5 train.save_every=5 \
-        output_dir=/tmp/gpu_quickstart logging.progress=false ${GPU_CHECK_QUICKSTART:-}
+        output_dir=runs/gpu_quickstart logging.progress=false ${GPU_CHECK_QUICKSTART:-}
     for f in metrics.jsonl eval.jsonl summary.json config.yaml; do
-        [ -f /tmp/gpu_quickstart/$f ] && cp /tmp/gpu_quickstart/$f "$out/quickstart_$f"
+        [ -f runs/gpu_quickstart/$f ] && cp runs/gpu_quickstart/$f "$out/quickstart_$f"
     done
 fi
 if want step; then

@@ -381,3 +381,17 @@ def test_provenance_outside_a_git_checkout(tmp_path, monkeypatch):
     assert provenance.commit_label() == "0123456"
     monkeypatch.delenv("CEGPPO_COMMIT")
     assert provenance.commit_label() == "unknown"
+
+
+def test_recorded_commands_hold_no_path_of_this_machine(monkeypatch, tmp_path):
+    """Paths inside the checkout are recorded relative to it, any other absolute path as <local>; `python -m
+    cegppo.cli` is recorded as `cegppo`."""
+    from cegppo.engine import provenance
+
+    root = Path(provenance.__file__).resolve().parents[3]
+    assert provenance.portable_path(str(tmp_path / "out")) == "<local>"
+    assert provenance.portable_path(f"output_dir={tmp_path}") == "output_dir=<local>"
+    assert provenance.portable_path(str(root / "benchmarks" / "x.py")) == "benchmarks/x.py"
+    assert provenance.portable_path("train.steps=5") == "train.steps=5"
+    monkeypatch.setattr("sys.argv", [str(root / "src" / "cegppo" / "cli.py"), "train", f"output_dir={tmp_path}"])
+    assert provenance.provenance()["command"] == "cegppo train output_dir=<local>"

@@ -26,6 +26,7 @@ def test_tiny_run_end_to_end_via_cli(tmp_path, capsys):
     assert (out / "config.yaml").exists() and (out / "training_curves.png").stat().st_size > 10_000
     summary = json.loads((out / "summary.json").read_text())
     assert set(summary["heldout_accuracy"]) == {"base", "warm-start", "final"}
+    assert summary["machine"]["cpu"] and summary["machine"]["isa"]  # the figures name the machine they ran on
     ckpts = sorted(p.name for p in (out / "checkpoints").iterdir())
     assert ckpts[-1] == "step_000003"
     assert (out / "checkpoints" / "step_000003" / "model.safetensors").exists()

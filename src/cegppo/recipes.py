@@ -27,6 +27,7 @@ from cegppo.engine.checkpoint import MANIFEST, CheckpointError, verify_checkpoin
 from cegppo.engine.components import build_policy, build_reward, load_splits, step_seed
 from cegppo.engine.evaluation import EvalResult, evaluate
 from cegppo.engine.precision import resolve_device, resolve_dtype, resolve_precision
+from cegppo.engine.provenance import machine
 from cegppo.engine.rollout import HFGenerator, Sampling
 from cegppo.engine.rundir import RunInterrupted, TrainingError
 from cegppo.engine.sft import supervised_warmup
@@ -220,6 +221,7 @@ def _train(trainer: Trainer, cfg: Config, t0: float) -> dict:
         "steps_this_session": len(rows),
         "precision": {"model.precision": trainer.precision, "model.rollout_dtype": str(trainer.generator.dtype)},
         "provenance": trainer.run.provenance,  # taken when this session started
+        "machine": machine(),  # the CPU model and ISA (and GPU) the figures above were measured on
     }
     trainer.run.write_summary(summary)
     plot_run(trainer.run.path)

@@ -24,8 +24,31 @@ def provenance() -> dict:
                                         capture_output=True, text=True, timeout=10).stdout.strip())
         except (OSError, subprocess.SubprocessError):
             pass
-    return {"command": " ".join(["cegppo", *sys.argv[1:]]) if Path(sys.argv[0]).name == "cegppo" else " ".join(sys.argv),
-            "cegppo_version": _version(), "commit": commit, "uncommitted_changes": dirty}
+    return {"command": " ".join([portable_path(a) for a in command_argv()]), "cegppo_version": _version(),
+            "commit": commit, "uncommitted_changes": dirty}
+
+
+def command_argv() -> list[str]:
+    """``sys.argv`` with the program named as a user types it: ``cegppo`` for the console script and for
+    ``python -m cegppo.cli``."""
+    prog = Path(sys.argv[0])
+    if prog.name == "cegppo" or prog.parts[-2:] == ("cegppo", "cli.py"):
+        return ["cegppo", *sys.argv[1:]]
+    return list(sys.argv)
+
+
+def portable_path(arg: str) -> str:
+    """A command-line argument as a results file may record it: a path inside the checkout relative to it, any other
+    absolute path as ``<local>`` (this machine's paths mean nothing on another); other arguments unchanged."""
+    name, eq, value = arg.rpartition("=") if "=" in arg and not arg.startswith("/") else ("", "", arg)
+    if not value.startswith("/"):
+        return arg
+    root = Path(__file__).resolve().parents[3]
+    try:
+        value = str(Path(value).resolve().relative_to(root))
+    except ValueError:
+        value = "<local>"
+    return f"{name}{eq}{value}"
 
 
 def machine() -> dict:
