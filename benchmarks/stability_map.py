@@ -167,30 +167,31 @@ def judge(runs: list[dict]) -> None:
         r["collapsed"] = collapsed(r["guard"], r["final_accuracy"])
 
 
+def _last(key: str, r: dict) -> float:
+    vals = [v for v in r["steps"][key] if v is not None]
+    return vals[-1] if vals else float("nan")
+
+
+def _mean(key: str, r: dict) -> float:
+    vals = [v for v in r["steps"][key] if v is not None]
+    return sum(vals) / len(vals) if vals else float("nan")
+
+
 def summarize(runs: list[dict]) -> list[dict]:
+    """One row per (lr, method): seeds, collapses, and means over seeds (± SE for accuracy, KL and beta1 share)."""
     out = []
     for lr in sorted({r["lr"] for r in runs}):
         for m in METHODS:
             rs = [r for r in runs if r["method"] == m and r["lr"] == lr]
-            if not rs:
-                continue
-
-            def last(k: str, r: dict) -> float:
-                vals = [v for v in r["steps"][k] if v is not None]
-                return vals[-1] if vals else float("nan")
-
-            acc = mean_sem([r["final_accuracy"] for r in rs])
-            def mean(k: str, r: dict) -> float:
-                vals = [v for v in r["steps"][k] if v is not None]
-                return sum(vals) / len(vals) if vals else float("nan")
-
-            kl = mean_sem([mean("mb_last/ppo_kl", r) for r in rs])
-            low = mean_sem([mean("mb_last/clip/low_frac", r) for r in rs])
-            out.append(dict(method=m, lr=lr, seeds=len(rs), collapsed=sum(r["collapsed"] for r in rs), acc=acc,
-                            kl=kl, beta1_share=low, entropy=(mean_sem([r["steps"]["entropy"][0] or 0 for r in rs])[0],
-                                                             mean_sem([last("entropy", r) for r in rs])[0]),
-                            length=mean_sem([last("response_length/mean", r) for r in rs])[0],
-                            wall=mean_sem([r["wall_s"] for r in rs])[0]))
+            if rs:
+                out.append(dict(method=m, lr=lr, seeds=len(rs), collapsed=sum(r["collapsed"] for r in rs),
+                                acc=mean_sem([r["final_accuracy"] for r in rs]),
+                                kl=mean_sem([_mean("mb_last/ppo_kl", r) for r in rs]),
+                                beta1_share=mean_sem([_mean("mb_last/clip/low_frac", r) for r in rs]),
+                                entropy=(mean_sem([r["steps"]["entropy"][0] or 0 for r in rs])[0],
+                                         mean_sem([_last("entropy", r) for r in rs])[0]),
+                                length=mean_sem([_last("response_length/mean", r) for r in rs])[0],
+                                wall=mean_sem([r["wall_s"] for r in rs])[0]))
     return out
 
 

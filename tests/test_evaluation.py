@@ -2,15 +2,15 @@ import json
 import math
 
 import pytest
-import torch
 
 from cegppo.recipes import train_loop
 from cegppo.reporting.compare import compare_runs
 from cegppo.data.problems import Problem, load_problems
 from cegppo.engine.evaluation import evaluate, majority_correct, pass_at_k
 from cegppo.data.rewards import load_reward
-from cegppo.engine.rollout import RolloutBatch, Sampling
+from cegppo.engine.rollout import Sampling
 from cegppo.engine.trainer import Trainer
+from fixtures.generators import ScriptedGenerator
 
 
 def test_pass_at_k_hand_computed():
@@ -30,22 +30,6 @@ def test_majority_vote():
     assert majority_correct(["4", "5"], [True, False])  # tie: first seen wins
     assert not majority_correct([None, None], [False, False])
     assert majority_correct([None, "7", None], [False, True, False])  # no answer never wins
-
-
-class ScriptedGenerator:
-    """Test double for a Generator: replays fixed responses per prompt text."""
-
-    def __init__(self, responses: dict[str, list[str]]):
-        self.responses = responses
-
-    def generate(self, prompts, n, sampling, on_token=None):
-        texts = [self.responses[p[-1]["content"]][i] for p in prompts for i in range(n)]
-        B = len(texts)
-        return RolloutBatch(torch.zeros(B, 2, dtype=torch.long), torch.ones(B, 2, dtype=torch.long),
-                            torch.ones(B, 1, dtype=torch.long), texts, torch.zeros(B, dtype=torch.bool))
-
-    def sync(self, policy):
-        pass
 
 
 def test_avg_pass_maj_on_scripted_answers():

@@ -29,23 +29,10 @@ from cegppo.data.problems import Problem  # noqa: E402
 from cegppo.data.rewards import RewardFn, load_reward  # noqa: E402
 from cegppo.engine import checkpoint as ckpt  # noqa: E402
 from cegppo.engine.evaluation import evaluate  # noqa: E402
-from cegppo.engine.rollout import RolloutBatch  # noqa: E402
 from cegppo.errors import ConfigError  # noqa: E402
+from fixtures.generators import ScriptedGenerator  # noqa: E402
 
 # ------------------------------------------------------------------------------------------------ 1. maj@k
-
-
-class Scripted:
-    """A Generator double: the responses of each prompt, in order."""
-
-    def __init__(self, responses: dict[str, list[str]]):
-        self.responses = responses
-
-    def generate(self, prompts, n, sampling, on_token=None):
-        texts = [self.responses[p[-1]["content"]][i] for p in prompts for i in range(n)]
-        B = len(texts)
-        return RolloutBatch(torch.zeros(B, 2, dtype=torch.long), torch.ones(B, 2, dtype=torch.long),
-                            torch.ones(B, 1, dtype=torch.long), texts, torch.zeros(B, dtype=torch.bool))
 
 
 def _problems(n: int) -> list[Problem]:
@@ -56,11 +43,12 @@ def _problems(n: int) -> list[Problem]:
 @pytest.mark.parametrize("spec", ["math", "math-lenient", "math-strict"])
 def test_maj_follows_the_reward_of_the_issue_example(spec):
     """`--reward math-lenient`, response `The answer is 42.` (gold 42): maj@1 was 0 beside avg@1 = pass@1 = 1."""
-    res = evaluate(Scripted({"q0": ["The answer is 42."]}), _problems(1), load_reward(spec), k=1)
+    res = evaluate(ScriptedGenerator({"q0": ["The answer is 42."]}), _problems(1), load_reward(spec), k=1)
     s = res.summary["s0"]
     assert s["maj@k"] == s["avg@k"] == s["pass@k"] == (0.0 if spec == "math-strict" else 1.0)
     # votes over the extraction the grader used: two unboxed 42s outvote one boxed 7 under the lenient reward
-    res = evaluate(Scripted({"q0": ["so 42", "\\boxed{7}", "it is $42$"]}), _problems(1), load_reward(spec), k=3)
+    responses = {"q0": ["so 42", "\\boxed{7}", "it is $42$"]}
+    res = evaluate(ScriptedGenerator(responses), _problems(1), load_reward(spec), k=3)
     assert res.rows[0]["maj@k"] == (0.0 if spec == "math-strict" else 1.0)
     assert res.rows[0]["extracted"] == ([None, "7", None] if spec == "math-strict" else ["42", "7", "42"])
 
@@ -103,7 +91,7 @@ class RandomGrader:
 def test_maj_never_exceeds_pass_and_maj1_is_avg1_for_any_grader(k, n, data, outcomes, answers):
     responses = {f"q{i}": data.draw(st.lists(st.sampled_from(TEXTS), min_size=k, max_size=k)) for i in range(n)}
     grader = RewardFn(RandomGrader(outcomes, answers), timeout=None)
-    res = evaluate(Scripted(responses), _problems(n), grader, k=k, batch_prompts=2)
+    res = evaluate(ScriptedGenerator(responses), _problems(n), grader, k=k, batch_prompts=2)
     for row in res.rows + list(res.summary.values()):
         assert row["maj@k"] <= row["pass@k"] + 1e-12, row
         if k == 1:

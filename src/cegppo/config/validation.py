@@ -68,18 +68,23 @@ def _is_real(v: Any) -> bool:
     return isinstance(v, (int, float)) and not isinstance(v, bool)
 
 
-def _check_types(obj: Any, where: str) -> None:
-    """Types of every field (also for a Config built in code), then: every float finite, every int in 64 bits, no
-    text with a NUL byte."""
+def _leaves(obj: Any, where: str = ""):
+    """``(section, field, annotated type, dotted key)`` of every non-section field, nested sections included."""
     hints = typing.get_type_hints(type(obj))
     for f in dataclasses.fields(obj):
         key = f"{where}.{f.name}" if where else f.name
-        value = getattr(obj, f.name)
         if dataclasses.is_dataclass(hints[f.name]):
-            _check_types(value, key)
-            continue
-        value = check_type(value, hints[f.name], key)
-        setattr(obj, f.name, value)
+            yield from _leaves(getattr(obj, f.name), key)
+        else:
+            yield obj, f, hints[f.name], key
+
+
+def _check_types(obj: Any) -> None:
+    """Types of every field (also for a Config built in code), then: every float finite, every int in 64 bits, no
+    text with a NUL byte."""
+    for section, f, tp, key in _leaves(obj):
+        value = check_type(getattr(section, f.name), tp, key)
+        setattr(section, f.name, value)
         if isinstance(value, str):
             _need("\x00" not in value, key, "text without NUL bytes", value)
         if isinstance(value, float):
@@ -88,16 +93,12 @@ def _check_types(obj: Any, where: str) -> None:
             _need(-MAX_INT - 1 <= value <= MAX_INT, key, "an integer that fits 64 bits", value)
 
 
-def _check_rules(obj: Any, where: str) -> None:
+def _check_rules(obj: Any) -> None:
     """Every field's declared rule (``metadata["range"]``), nested sections included; null where the type admits
     it needs no rule."""
-    hints = typing.get_type_hints(type(obj))
-    for f in dataclasses.fields(obj):
-        key = f"{where}.{f.name}" if where else f.name
-        value = getattr(obj, f.name)
-        if dataclasses.is_dataclass(hints[f.name]):
-            _check_rules(value, key)
-        elif not (value is None and type(None) in typing.get_args(hints[f.name])):
+    for section, f, tp, key in _leaves(obj):
+        value = getattr(section, f.name)
+        if not (value is None and type(None) in typing.get_args(tp)):
             check_rule(value, f.metadata["range"], key)
 
 
@@ -184,11 +185,11 @@ def validate(cfg: Config) -> None:
     Objective hyperparameters are checked by the objective registry; the task name by the task registry
     (:func:`cegppo.data.tasks.check_task`, before any data or model loads). Raises a one-line ConfigError naming
     the key."""
-    _check_types(cfg, "")
+    _check_types(cfg)
     e = cfg.eval  # first, so that eval.* is worded as `cegppo eval`'s flags are (an integer >= 1)
     check_eval_settings(num_problems=e.num_problems, k=e.k, temperature=e.temperature, top_p=e.top_p,
                         max_new_tokens=e.max_new_tokens)
-    _check_rules(cfg, "")
+    _check_rules(cfg)
 
     cfg.output_dir = _expand(cfg.output_dir)
     check_path_fits(cfg.output_dir, "output_dir", RUN_PATH_HEADROOM)  # not at the first checkpoint

@@ -40,7 +40,7 @@ def command_argv() -> list[str]:
 def portable_path(arg: str) -> str:
     """A command-line argument as a results file may record it: a path inside the checkout relative to it, any other
     absolute path as ``<local>`` (this machine's paths mean nothing on another); other arguments unchanged."""
-    name, eq, value = arg.rpartition("=") if "=" in arg and not arg.startswith("/") else ("", "", arg)
+    name, eq, value = arg.partition("=") if "=" in arg and not arg.startswith("/") else ("", "", arg)
     if not value.startswith("/"):
         return arg
     root = Path(__file__).resolve().parents[3]
