@@ -9,7 +9,7 @@ additions a + b, temperature 1.0, 16 prompts x 8 samples, <= 40 new tokens, 4 Ad
 0, no weight decay, 10 steps; benchmarks/common/entropy.py), in its own process (``--parallel`` at a time), and
 leaves a record: per step the rollout reward, accuracy, entropy, truncation share, the last mini-batch's
 KL(old||new) and clip-region shares, the collapse guard's findings; the held-out accuracy before and after; the
-wall time. Records are kept in ``stability_map.json`` as they finish (``--restore`` continues from one); cells not
+wall time; and how it was made (commit, machine with its load at the start and the end, precision, overrides). Records are kept in ``stability_map.json`` as they finish (``--restore`` continues from one); cells not
 started when ``--budget-s`` runs out are left for a later run and listed in the report.
 
 Collapse, fixed before any run: a run *collapses* when the collapse guard (cegppo.algorithm.collapse, default
@@ -27,7 +27,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from common import RESULTS, provenance, provenance_line, write_results
+from common import RESULTS, load_now, provenance, provenance_line, write_results
 from common.entropy import CLIP, mean_sem, trainer_overrides, write_problems
 
 COLLAPSE_ACCURACY = 0.2  # final held-out accuracy below this: collapsed (with the guard's findings)
@@ -64,7 +64,10 @@ def worker(cell: dict, sz: dict, device: str, data_dir: Path, run_dir: Path, thr
     from cegppo.io import read_jsonl
     from cegppo.recipes import held_out_eval, log_eval, train_loop
 
+    from cegppo.engine.provenance import commit_label, machine
+
     objective, hparams, extra = METHODS[cell["method"]]
+    made = dict(commit=commit_label(), machine=machine(), precision=sz["precision"], overrides=extra)  # per record
     conf = dict(objective=objective, hparams=hparams, extra=[*extra, f"model.device={device}", f"train.threads={threads}"])
     ns = argparse.Namespace(temperature=1.0, lr=cell["lr"])
     t0 = time.perf_counter()
@@ -78,7 +81,7 @@ def worker(cell: dict, sz: dict, device: str, data_dir: Path, run_dir: Path, thr
     first_flag = next((r["step"] for r in rows if r.get("collapse/flag")), None)
     return dict(cell, steps={k: [r.get(k) for r in rows] for k in KEEP}, base_accuracy=base, final_accuracy=final,
                 guard=findings, guard_first_step=first_flag, collapsed=collapsed(findings, final),
-                wall_s=time.perf_counter() - t0)
+                wall_s=time.perf_counter() - t0, provenance=dict(made, load_1min_end=load_now()))
 
 
 def replay_guard(steps: dict[str, list], target_kl: float = 0.0) -> list[str]:
