@@ -248,3 +248,59 @@ def test_sapo_gradient_equals_trl_sapo(tiny_model, tmp_path):
         g = torch.cat([p.grad.flatten() for p in model.parameters() if p.grad is not None])
         torch.testing.assert_close(loss.detach(), loss_ref, rtol=1e-5, atol=1e-7)
         torch.testing.assert_close(g, g_ref, rtol=1e-4, atol=1e-7)
+
+
+def test_erc_keeps_the_gradient_of_tokens_inside_the_entropy_band(tiny_model, tmp_path):
+    """ERC in the adapter (``CEGPPOConfig(erc=True)``): on the same tensors its gradient is CE-GPPO's with
+    :func:`entropy_ratio_mask` as the gradient mask (the trainer's ERC, checked against the authors' ``gppo_erc`` in
+    tests/test_objectives.py), and differs from CE-GPPO without it."""
+    from cegppo.algorithm.policy_loss import aggregator, entropy_ratio_mask, policy_loss
+
+    common = _common(tmp_path, max_steps=1, steps_per_generation=2)
+    erc = CEGPPOTrainer(model=tiny_model, reward_funcs=[digit_reward], train_dataset=_dataset(),
+                        args=CEGPPOConfig(beta1=0.75, beta2=1.0, erc=True, **common))
+    plain = CEGPPOTrainer(model=tiny_model, reward_funcs=[digit_reward], train_dataset=_dataset(),
+                          args=CEGPPOConfig(beta1=0.75, beta2=1.0, **common))
+    plain.model.load_state_dict(erc.model.state_dict())
+    model, C = erc.model, 12
+    for seed in range(3):
+        inputs = _inputs(erc, seed, C=C)
+        ids = torch.cat([inputs["prompt_ids"], inputs["completion_ids"]], 1)
+        attention = torch.cat([inputs["prompt_mask"], inputs["completion_mask"]], 1)
+        with torch.no_grad():
+            _, ent, _ = erc._get_per_token_logps_and_entropies(model, ids, attention, C, compute_entropy=True)
+        g = torch.Generator().manual_seed(100 + seed)
+        inputs["old_entropies"] = ent * (0.9 + 0.2 * torch.rand(ent.shape, generator=g))  # about half out of band
+        g_erc, _ = _grads(erc, inputs)
+        g_plain, _ = _grads(plain, inputs)
+
+        model.zero_grad(set_to_none=True)
+        lp, ent, _ = erc._get_per_token_logps_and_entropies(model, ids, attention, C, compute_entropy=True)
+        keep = entropy_ratio_mask(ent, inputs["old_entropies"], inputs["completion_mask"], 0.95, 1.05)
+        assert 0 < int(keep.sum()) < int(inputs["completion_mask"].sum())  # the band drops some tokens, not all
+        num_tokens = inputs["num_items_in_batch"] / erc.args.steps_per_generation  # one accumulation window
+        loss, _ = policy_loss(erc.objective, lp, inputs["old_per_token_logps"], inputs["advantages"],
+                              inputs["completion_mask"], reduce=aggregator("token-mean", num_tokens=num_tokens),
+                              gradient_mask=keep)
+        loss.backward()
+        g_ref = torch.cat([p.grad.flatten() for p in model.parameters() if p.grad is not None])
+        torch.testing.assert_close(g_erc, g_ref, rtol=1e-4, atol=1e-7)
+        assert not torch.allclose(g_erc, g_plain, rtol=1e-3, atol=1e-6)
+
+
+def test_erc_takes_the_sampling_policys_entropies_from_trls_old_log_prob_pass(tiny_model, tmp_path):
+    """In training, H_old comes from the pass where TRL computes old_per_token_logps: the generation batch's first
+    optimizer step (no update since) keeps every token; its second, after an update, drops some (a narrow band: the
+    tiny model's entropy is near its maximum and moves little)."""
+    args = CEGPPOConfig(**_common(tmp_path, max_steps=2, steps_per_generation=2, learning_rate=3e-2), erc=True,
+                        erc_low=0.999, erc_high=1.001)
+    trainer = CEGPPOTrainer(model=tiny_model, reward_funcs=[digit_reward], args=args, train_dataset=_dataset())
+    trainer.train()
+    kept = [h["erc/kept_frac"] for h in trainer.state.log_history if "erc/kept_frac" in h]
+    assert len(kept) == 2
+    assert kept[0] == pytest.approx(1.0) and kept[1] < 0.99, kept
+
+
+def test_erc_band_is_validated(tmp_path):
+    with pytest.raises(ValueError, match="0 < erc_low < 1 < erc_high"):
+        CEGPPOConfig(**_common(tmp_path, max_steps=1, steps_per_generation=2), erc=True, erc_low=1.0)

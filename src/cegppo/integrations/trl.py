@@ -22,6 +22,12 @@ computes in the loss over the previous generation batch's first pass (each compl
 processes): the policy during that batch's updates, where cegppo's trainer uses the rollout policy before them.
 It logs ``control/*`` and saves its state as ``entropy_control_state.json`` in each checkpoint.
 
+ERC (``CEGPPOConfig(erc=True)``, band ``erc_low`` / ``erc_high``, as cegppo's ``algorithm.erc``): a token whose
+entropy ratio ``H / H_old`` to the sampling policy leaves the band gets no gradient. ``H_old`` is taken where TRL
+computes the sampling policy's log-probs (``old_per_token_logps``, in the same forward pass, asked for its
+entropies) and travels with the generation batch as ``old_entropies``; when TRL computes no old log-probs (every
+update on-policy) the ratio is 1 and ERC keeps every token. Logged as ``erc/kept_frac``.
+
 CE-GPPO only differs from GRPO/DAPO when the update is off-policy (ratio != 1): use ``num_iterations > 1`` or
 ``steps_per_generation > gradient_accumulation_steps``. The trainer warns otherwise.
 
@@ -47,7 +53,8 @@ from trl import GRPOConfig, GRPOTrainer
 from cegppo.algorithm.diagnostics import metric_weight
 from cegppo.algorithm.entropy_control import EntropyControlConfig, build_controller, validate_entropy_control
 from cegppo.algorithm.objectives import OBJECTIVES, Objective, get_objective
-from cegppo.algorithm.policy_loss import aggregator, entropy_bonus, entropy_metrics, kl_metric, kl_penalty, policy_loss
+from cegppo.algorithm.policy_loss import (aggregator, entropy_bonus, entropy_metrics, entropy_ratio_mask, kl_metric,
+                                          kl_penalty, policy_loss)
 
 __all__ = ["CEGPPOConfig", "CEGPPOTrainer", "ONE_PROCESS_WARNING", "ON_POLICY_WARNING", "TRL_OBJECTIVES",
            "is_on_policy", "requested_processes"]
@@ -96,6 +103,10 @@ class CEGPPOConfig(GRPOConfig):
     beta2: float = field(default=_CE_GPPO["beta2"], metadata={"help": "CE-GPPO beta2 (A > 0, ratio > 1 + epsilon_high)"})
     clip_ratio_c: float | None = field(default=_CE_GPPO["clip_ratio_c"],
                                        metadata={"help": "dual-clip bound for A < 0; None: off"})
+    erc: bool = field(default=False, metadata={
+        "help": "ERC: tokens whose entropy ratio to the sampling policy leaves (erc_low, erc_high) get no gradient"})
+    erc_low: float = field(default=0.95, metadata={"help": "ERC band's lower end, in (0, 1)"})
+    erc_high: float = field(default=1.05, metadata={"help": "ERC band's upper end, > 1"})
     entropy_control: dict | None = field(default=None, metadata={
         "help": "entropy autopilot: the fields of cegppo's EntropyControlConfig, e.g. {'enabled': true, 'target': 0.7}"})
 
@@ -112,6 +123,9 @@ class CEGPPOConfig(GRPOConfig):
             raise ValueError("CEGPPOConfig: CE-GPPO clips per-token ratios; importance_sampling_level must be 'token'")
         if self.delta is not None:
             raise ValueError("CEGPPOConfig: use clip_ratio_c (dual clip) instead of delta")
+        if not (0 < self.erc_low < 1 < self.erc_high):
+            raise ValueError(f"CEGPPOConfig: the ERC band needs 0 < erc_low < 1 < erc_high, got erc_low={self.erc_low}, "
+                             f"erc_high={self.erc_high}")
         objective = self.build_objective()  # validate the hyperparameters now rather than at the first loss
         if isinstance(self.entropy_control, EntropyControlConfig):
             self.entropy_control = asdict(self.entropy_control)  # kept a plain dict: TrainingArguments serialise it
@@ -174,6 +188,7 @@ class CEGPPOTrainer(GRPOTrainer):
         self.objective = self.args.build_objective()
         self.entropy_controller = build_controller(self.args.entropy_control, self.objective.hparams)
         self._control_stats: torch.Tensor | None = None  # [sum of entropy, tokens] over the current generation batch
+        self._old_entropies: torch.Tensor | bool | None = None  # ERC: True while the next old-log-prob pass is awaited
         # mode -> metric -> [token-weighted sum, weight] over the micro-batches since the last log (this process)
         self._token_weighted_sums: dict[str, dict[str, torch.Tensor]] = {}
         if is_on_policy(self.args):
@@ -228,8 +243,14 @@ class CEGPPOTrainer(GRPOTrainer):
 
         reduce, ref = aggregator("token-mean", num_tokens=normalizer), inputs.get("ref_per_token_logps")
         entropy_coeff = self._entropy_coefficient(entropies, mask, entropy_mask, mode) + self._control_bonus()
+        erc = None
+        if self.args.erc:  # no old entropies: every update on-policy, ratio 1, every token kept
+            erc = entropy_ratio_mask(entropies, inputs.get("old_entropies", entropies.detach()), mask,
+                                     self.args.erc_low, self.args.erc_high)
         pg, metrics = policy_loss(self.objective, per_token_logps, old_per_token_logps, advantages, mask, reduce=reduce,
-                                  token_weights=math.prod(weights) if weights else None)
+                                  token_weights=math.prod(weights) if weights else None, gradient_mask=erc)
+        if erc is not None:
+            metrics["erc/kept_frac"] = (erc * mask).sum() / mask.sum().clamp(min=1)
         loss = (pg
                 + self.beta * kl_penalty(per_token_logps, ref, mask, reduce=reduce, weights=kl_weights)
                 - entropy_coeff * entropy_bonus(entropies, mask, reduce=reduce))
@@ -243,6 +264,30 @@ class CEGPPOTrainer(GRPOTrainer):
             self._metrics[mode]["aux_loss"].append(self.accelerator.gather_for_metrics(aux_loss).mean().item())
         self._log_metrics(mode, metrics, mask)
         return loss
+
+    # ----------------------------------------------------------------------------------------------------
+    # ERC: the sampling policy's entropies, from the forward pass TRL makes for its log-probs
+
+    def _generate_and_score_completions(self, inputs: Any) -> dict[str, Any]:
+        if not self.args.erc:
+            return super()._generate_and_score_completions(inputs)
+        self._old_entropies = True  # the next policy pass of this generation is TRL's old_per_token_logps
+        try:
+            output = super()._generate_and_score_completions(inputs)
+        finally:
+            old, self._old_entropies = self._old_entropies, None
+        if "old_per_token_logps" in output and isinstance(old, torch.Tensor):
+            output["old_entropies"] = old
+        return output
+
+    def _get_per_token_logps_and_entropies(self, model: Any, *args: Any, **kwargs: Any) -> Any:
+        if self._old_entropies is not True or model is not self.model or kwargs.get("compute_entropy"):
+            return super()._get_per_token_logps_and_entropies(model, *args, **kwargs)
+        # TRL's old-log-prob pass (its first pass over this policy while generating): ask it for the entropies too
+        logps, entropies, aux = super()._get_per_token_logps_and_entropies(model, *args, **{**kwargs,
+                                                                                          "compute_entropy": True})
+        self._old_entropies = entropies
+        return logps, None, aux
 
     # ----------------------------------------------------------------------------------------------------
     # entropy autopilot (cegppo.algorithm.entropy_control): measured in the loss, applied per generation batch
