@@ -8,6 +8,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 import stability_map as sm  # benchmarks/ (tests/conftest.py)
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -38,3 +40,28 @@ def test_quick_mode_runs(tmp_path):
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     result = json.loads((tmp_path / "stability_map.json").read_text())
     assert len(result["runs"]) == 2 and (tmp_path / "stability_map.png").exists()
+
+
+def test_collect_merges_files_stamps_old_records_and_refuses_another_setting(tmp_path):
+    """--collect over several runs of the map: one result, a cell found twice keeps the later file's record, a record
+    made before records kept their provenance takes its file's, and a file from another setting is refused."""
+    def write(name, runs, **settings):
+        f = tmp_path / name
+        f.write_text(json.dumps(dict(runs=runs, command=f"cmd {name}", commit=name[:1], date="d", precision="fp32",
+                                     machine={"cpu": "X", "isa": "avx2", "load_1min": 0.1},
+                                     settings={"steps": 10, "device": "cpu", **settings})))
+        return f
+
+    new = dict(record("GRPO", 5e-5, 1, 0.7), provenance=dict(commit="b", machine={"cpu": "Y", "isa": "amx",
+                                                                                  "load_1min": 1.5}))
+    a = write("a.json", [record("GRPO", 5e-5, 0, 0.9), record("GRPO", 5e-5, 1, 0.8)])
+    b = write("b.json", [new], device="cuda")  # the device may differ: the setting is the same
+    merged = sm.merge([a, b])
+    assert sorted((r["seed"], r["final_accuracy"]) for r in merged["runs"]) == [(0, 0.9), (1, 0.7)]
+    stamped = next(r for r in merged["runs"] if r["seed"] == 0)["provenance"]
+    assert stamped["commit"] == "a" and stamped["command"] == "cmd a.json" and stamped["machine"]["cpu"] == "X"
+    line = sm.made_with(merged["runs"])
+    assert "a, b" in line and "X (avx2), Y (amx)" in line and "0.1-1.5" in line
+    other = write("c.json", [record("GRPO", 5e-5, 2, 0.5)], steps=60)
+    with pytest.raises(SystemExit, match="another setting"):
+        sm.merge([a, other])
