@@ -29,22 +29,9 @@ import time
 from pathlib import Path
 
 from common import RESULTS, command, load_now, provenance, provenance_line, write_results
-from common.entropy import CLIP, mean_sem, trainer_overrides, write_problems
+from common.entropy import METHODS, mean_sem, trainer_overrides, write_problems
 
 COLLAPSE_ACCURACY = 0.2  # final held-out accuracy below this: collapsed (with the guard's findings)
-CE75 = dict(CLIP, beta1=0.75, beta2=1.0)
-METHODS = {  # label -> (objective, hparams, extra overrides): the list, then the stabilisers
-    "GRPO": ("ppo_clip", CLIP, []),
-    "CE-GPPO(0.75,1)": ("ce_gppo", CE75, []),
-    "CE-GPPO(0.75,1)+ERC": ("ce_gppo", CE75, ["algorithm.erc=true"]),
-    "CE-GPPO(0.75,1)+KL-stop": ("ce_gppo", CE75, ["train.target_kl=0.1"]),
-    "CE-GPPO(0.75,1)+KL-stop+overlong": ("ce_gppo", CE75, ["train.target_kl=0.1", "algorithm.overlong_filter=true"]),
-    "SAPO": ("sapo", {}, []),
-    "DAPO": ("dapo", {}, []),
-    "CE-GPPO(0.5,1)": ("ce_gppo", dict(CLIP, beta1=0.5, beta2=1.0), []),
-    "GPPO": ("gppo", {}, []),
-    "CISPO": ("cispo", {}, []),
-}
 KEEP = ("reward/mean", "reward/accuracy", "entropy", "response_length/mean", "response_length/clip_ratio",
         "mb_last/ppo_kl", "mb_last/clip/low_frac", "mb_last/clip/high_frac", "grad_norm", "collapse/flag",
         "train/kl_stopped_at")

@@ -21,6 +21,21 @@ PROMPT = "What is {a} + {b}? Think step by step."
 TARGETS = {"hold": 1.0, "up": 1.2}  # target name -> fraction of the first measured entropy
 CLIP = {"eps_low": 0.2, "eps_high": 0.2, "clip_ratio_c": 10.0}
 GRPO = dict(label="GRPO", objective="ppo_clip", hparams=CLIP, extra=[], target=None)  # the uncontrolled baseline
+CE75 = dict(CLIP, beta1=0.75, beta2=1.0)
+# label -> (objective, hparams, extra overrides) of stability_map's and small_steps' methods: issue 40's list, then
+# issue 39's stabilisers
+METHODS = {
+    "GRPO": ("ppo_clip", CLIP, []),
+    "CE-GPPO(0.75,1)": ("ce_gppo", CE75, []),
+    "CE-GPPO(0.75,1)+ERC": ("ce_gppo", CE75, ["algorithm.erc=true"]),
+    "CE-GPPO(0.75,1)+KL-stop": ("ce_gppo", CE75, ["train.target_kl=0.1"]),
+    "CE-GPPO(0.75,1)+KL-stop+overlong": ("ce_gppo", CE75, ["train.target_kl=0.1", "algorithm.overlong_filter=true"]),
+    "SAPO": ("sapo", {}, []),
+    "DAPO": ("dapo", {}, []),
+    "CE-GPPO(0.5,1)": ("ce_gppo", dict(CLIP, beta1=0.5, beta2=1.0), []),
+    "GPPO": ("gppo", {}, []),
+    "CISPO": ("cispo", {}, []),
+}
 
 
 def addition_problems(lo: int, hi: int, seed: int) -> tuple[list[Problem], list[Problem]]:
@@ -64,10 +79,11 @@ def add_size_arguments(ap: argparse.ArgumentParser) -> None:
                     help="auto: bf16 autocast where the CPU has native bf16; fp32: fp32 everywhere (as the AVX2 runs)")
 
 
-def write_problems(data_dir: Path) -> Path:
-    """The additions of ``reproduce_entropy.py`` (its seed-0 split) as train / test JSONL in ``data_dir``."""
+def write_problems(data_dir: Path, lo: int = 2, hi: int = 12) -> Path:
+    """The additions of ``reproduce_entropy.py`` (its seed-0 split; operands in [lo, hi], by default its 2..12) as
+    train / test JSONL in ``data_dir``."""
     data_dir.mkdir(parents=True, exist_ok=True)
-    train, heldout = addition_problems(2, 12, 0)
+    train, heldout = addition_problems(lo, hi, 0)
     for name, probs in (("train", train), ("test", heldout)):
         atomic_write_text(data_dir / f"{name}.jsonl", "".join(
             json.dumps({"id": p.id, "question": p.messages[0]["content"], "answer": p.answer}) + "\n" for p in probs))
