@@ -43,8 +43,10 @@ def cmd_train(args) -> int:
     from cegppo.config import load_config
     from cegppo.recipes import run_training
 
+    if args.accept_data_change and not args.resume:
+        raise UsageError("--accept-data-change applies to --resume (a fresh run fingerprints the data it starts on)")
     cfg = load_config(_resolve_config(args.config), args.overrides)
-    summary = run_training(cfg, resume=args.resume, overwrite=args.overwrite)
+    summary = run_training(cfg, resume=args.resume, overwrite=args.overwrite, accept_data_change=args.accept_data_change)
     print(json.dumps(summary, indent=2))
     print(f"run directory: {cfg.output_dir} (metrics.jsonl, eval.jsonl, training_curves.png, checkpoints/)")
     return 0
@@ -147,6 +149,9 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--resume", action="store_true", help="continue from the newest intact checkpoint in output_dir")
     t.add_argument("--overwrite", action="store_true",
                    help="delete the previous run's files in output_dir (logged) and start a fresh run there")
+    t.add_argument("--accept-data-change", action="store_true",
+                   help="with --resume: continue although a data file's contents changed since the run started "
+                        "(recorded in run.json); without it such a resume is refused")
     t.set_defaults(fn=cmd_train)
 
     s = sub.add_parser("sft", formatter_class=fmt, epilog=_catalogue(),

@@ -43,13 +43,13 @@ def peak_rss_mb() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
-def run_training(cfg: Config, resume: bool = False, overwrite: bool = False) -> dict:
+def run_training(cfg: Config, resume: bool = False, overwrite: bool = False, accept_data_change: bool = False) -> dict:
     """Base eval -> optional warm-start (+ eval) -> RL -> final eval; writes summary.json and the PNG.
 
     The run directory is locked for the whole call and released however it ends. Ctrl-C raises
     :class:`RunInterrupted` carrying the last completed step."""
     t0 = time.perf_counter()
-    trainer = Trainer(cfg, resume=resume, overwrite=overwrite)
+    trainer = Trainer(cfg, resume=resume, overwrite=overwrite, accept_data_change=accept_data_change)
     try:
         return _train(trainer, cfg, t0)
     except KeyboardInterrupt:

@@ -20,6 +20,7 @@ from typing import Any
 
 import torch
 
+from cegppo.engine.artefacts import optimizer_state_problem
 from cegppo.errors import show
 from cegppo.faults import failpoint
 from cegppo.io import fsync_dir, one_line, replace_dir
@@ -217,6 +218,9 @@ def _load_tensors(path: Path) -> Any:
 
 def load_training_state(path: Path, optimizer: torch.optim.Optimizer, scheduler: Any) -> dict:
     opt_state, sched_state = _load_tensors(path / "optimizer.pt"), _load_tensors(path / "scheduler.pt")
+    problem = optimizer_state_problem(opt_state, [g["params"] for g in optimizer.param_groups])
+    if problem:  # torch checks the group sizes only: a wrong shape would fail at the first update, as "unexpected"
+        raise CheckpointError(f"{path / 'optimizer.pt'}: {problem}; refusing to resume from it")
     try:
         optimizer.load_state_dict(opt_state)
         scheduler.load_state_dict(sched_state)

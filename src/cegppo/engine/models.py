@@ -20,6 +20,7 @@ import tempfile
 from pathlib import Path
 from typing import Any, Iterator
 
+from cegppo.engine.artefacts import loading_problem, tokenizer_file_problem, vocabulary_problem
 from cegppo.io import cache_root, one_line, replace_dir
 
 log = logging.getLogger(__name__)
@@ -354,13 +355,21 @@ def load_model(name_or_path: str, *, dtype: str = "float32", device: str = "cpu"
             src, kind = name, f"hub model {name!r}"
     if not kind.startswith("hub"):
         check_safetensors(src)
+        problem = tokenizer_file_problem(Path(src))
+        if problem:
+            raise ModelLoadError(f"{kind} {problem}")
 
     try:
         # local_files_only everywhere: the hub is never contacted, a missing cache entry fails fast.
         tok = _load_tokenizer(src)
         # trust_remote_code=False: code shipped with a model (config auto_map) is never imported.
-        model = AutoModelForCausalLM.from_pretrained(src, dtype=torch_dtype, local_files_only=True,
-                                                     trust_remote_code=False)
+        model, info = AutoModelForCausalLM.from_pretrained(src, dtype=torch_dtype, local_files_only=True,
+                                                           trust_remote_code=False, output_loading_info=True)
+    except RuntimeError as e:  # transformers' refusal of weights whose shapes differ from config.json's
+        if "mismatched_sizes" not in str(e):
+            raise
+        raise ModelLoadError(f"could not load {kind}: the weights do not fit config.json ({type(e).__name__}: "
+                             f"{one_line(e)})") from e
     except (OSError, ValueError) as e:
         if kind.startswith("hub"):
             raise ModelLoadError(
@@ -370,6 +379,9 @@ def load_model(name_or_path: str, *, dtype: str = "float32", device: str = "cpu"
             ) from e
         raise ModelLoadError(f"could not load {kind}: {type(e).__name__}: {one_line(e)}") from e
 
+    problem = loading_problem(info) or vocabulary_problem(len(tok), model.get_input_embeddings().num_embeddings)
+    if problem:
+        raise ModelLoadError(f"{kind}: {problem}; refused before any work")
     if not getattr(tok, "chat_template", None):
         raise ModelLoadError(f"the tokenizer of {kind} has no chat template; prompts are built with "
                              f"apply_chat_template, so add one (tokenizer.chat_template = ...) and re-save")

@@ -19,6 +19,7 @@ from typing import Any
 
 from cegppo.config import Config, save_config, validate
 from cegppo.engine import checkpoint as ckpt
+from cegppo.engine.artefacts import data_changes, data_fingerprints
 from cegppo.engine.provenance import provenance
 from cegppo.engine.runlock import RunLock, RunLockedError
 from cegppo.io import append_jsonl, atomic_write_json, atomic_write_text, probe_writable, read_jsonl
@@ -126,6 +127,7 @@ class RunDir:
         self.evals = self.path / "eval.jsonl"
         self.changes = self.path / "config_changes.jsonl"
         self._sinks: list[Any] = []
+        self.data: dict[str, dict[str, Any]] = {}  # the data files' fingerprints (begin)
         try:
             probe_writable(self.path)
         except OSError as e:
@@ -175,13 +177,16 @@ class RunDir:
                     raise TrainingError(f"{key} {value} is inside this run's {name} (output_dir {self.path}), which "
                                         f"the run writes: move the input, or choose another output_dir")
 
-    def begin(self, cfg: Config, resume: bool, overwrite: bool) -> tuple[Path | None, str, list[tuple[str, Any, Any]]]:
+    def begin(self, cfg: Config, resume: bool, overwrite: bool, accept_data_change: bool = False,
+              ) -> tuple[Path | None, str, list[tuple[str, Any, Any]]]:
         """Where a run starts: (the checkpoint it resumes from or None, its run id, the config changes to apply).
-        A fresh run checks the directory holds no other run; a resumed one checks the resume contract. A ``--resume``
-        that cannot continue the run (no valid checkpoint) never replaces it."""
+        A fresh run checks the directory holds no other run; a resumed one checks the resume contract, and that the
+        data files still hold what the run started on (``accept_data_change`` continues on new contents, recorded).
+        A ``--resume`` that cannot continue the run (no valid checkpoint) never replaces it."""
         validate(cfg)  # a Config built in code never went through load_config: checked before anything loads
-        self.check_inputs({"data.train_path": cfg.data.train_path, "data.test_path": cfg.data.test_path,
-                           "model.name": cfg.model.name})
+        data = {"data.train_path": cfg.data.train_path, "data.test_path": cfg.data.test_path}
+        self.check_inputs({**data, "model.name": cfg.model.name})
+        self.data = data_fingerprints(data)  # computed once: recorded at the start, compared on --resume
         resume_from = ckpt.latest_valid_checkpoint(self.checkpoints) if resume else None
         if resume and resume_from is None:
             self.check_restart(cfg)
@@ -195,7 +200,25 @@ class RunDir:
         if old_cfg is None:
             log.warning("--resume: %s records no config; the resume contract cannot be checked", resume_from)
             return resume_from, run_id, []
-        return resume_from, run_id, self.resume_changes(old_cfg, cfg)
+        changes = self.resume_changes(old_cfg, cfg)
+        self.check_data(accept_data_change)
+        return resume_from, run_id, changes
+
+    def check_data(self, accept: bool) -> None:
+        """``--resume``: refuse data files whose contents differ from the fingerprints in the run's record, unless
+        ``accept`` (``--accept-data-change``: logged, and recorded in ``run.json`` by :meth:`record_changes`)."""
+        recorded = self.read_record().get("data")
+        if recorded is None:
+            log.warning("--resume: %s records no data fingerprints (a run from before they were kept); the data "
+                        "files cannot be compared, and are fingerprinted from now on", self.path / RUN_RECORD)
+            return
+        changed = data_changes(recorded, self.data)
+        if changed and not accept:
+            raise TrainingError(f"--resume refused: the data changed since the run started: {'; '.join(changed)}; "
+                                f"resume on the run's data, or pass --accept-data-change to continue on the new "
+                                f"contents (recorded in {RUN_RECORD})")
+        if changed:
+            log.warning("--resume --accept-data-change: continuing on changed data: %s", "; ".join(changed))
 
     @staticmethod
     def _names(paths: list[Path]) -> str:
@@ -247,11 +270,16 @@ class RunDir:
             else:
                 p.unlink()
 
-    def read_run_id(self) -> str | None:
+    def read_record(self) -> dict:
+        """The run's record (``run.json``); empty when missing or unreadable."""
         try:
-            run_id = json.loads((self.path / "run.json").read_text()).get("run_id")
-        except (OSError, ValueError, AttributeError):
-            return None
+            record = json.loads((self.path / RUN_RECORD).read_text())
+        except (OSError, ValueError):
+            return {}
+        return record if isinstance(record, dict) else {}
+
+    def read_run_id(self) -> str | None:
+        run_id = self.read_record().get("run_id")
         return run_id if isinstance(run_id, str) else None
 
     @staticmethod
@@ -263,7 +291,7 @@ class RunDir:
         self.changes.unlink(missing_ok=True)  # a restart from scratch (--resume without a checkpoint)
         atomic_write_json(self.path / RUN_RECORD, {
             "run_id": run_id, "started": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-            "files": list(RUN_FILES), **self.provenance})  # the record: these names are this run's
+            "files": list(RUN_FILES), "data": self.data, **self.provenance})  # the record: these names are this run's
         self.save_config(cfg)
 
     def read_config(self) -> dict | None:
@@ -307,9 +335,16 @@ class RunDir:
                      ", ".join(f"{k} {_fmt(a)} -> {_fmt(b)}" for k, a, b in changes))
         if not (self.path / "config.yaml").exists():
             self.save_config(cfg)
-        if self.read_run_id() != run_id:  # missing, or the checkpoint was brought from elsewhere: its id wins
-            atomic_write_json(self.path / RUN_RECORD, {"run_id": run_id, "started": None, "files": list(RUN_FILES),
-                                                       **self.provenance})
+        record = self.read_record()
+        if record.get("run_id") != run_id:  # missing, or the checkpoint was brought from elsewhere: its id wins
+            record = {"run_id": run_id, "started": None, "files": list(RUN_FILES), **self.provenance}
+        if record.get("data") != self.data:  # first fingerprinted, or a change accepted (--accept-data-change)
+            if isinstance(record.get("data"), dict):
+                record["data_changes"] = [*record.get("data_changes", []), {"step": step, "time": now, "old": record[
+                    "data"], "new": self.data}]
+            record["data"] = self.data
+        if record != self.read_record():
+            atomic_write_json(self.path / RUN_RECORD, record)
 
     def truncate_logs(self, step: int, resumed: bool) -> None:
         """Drop metric and eval rows logged after the checkpoint we resume from (all of them on a fresh start):

@@ -47,20 +47,20 @@ class Trainer:
     newest intact checkpoint, under the resume contract of :mod:`cegppo.engine.rundir`. The run directory is
     locked from here until :meth:`close` (``with Trainer(cfg) as t: ...`` closes it)."""
 
-    def __init__(self, cfg: Config, resume: bool = False, overwrite: bool = False):
+    def __init__(self, cfg: Config, resume: bool = False, overwrite: bool = False, accept_data_change: bool = False):
         if resume and overwrite:
             raise TrainingError("--resume continues the run in output_dir and --overwrite deletes it: pass one of them")
         self.cfg = cfg
         self.run = RunDir(cfg.output_dir)  # takes the run directory's lock, or refuses naming its holder
         try:
-            self._setup(cfg, resume, overwrite)
+            self._setup(cfg, resume, overwrite, accept_data_change)
         except BaseException:
             self.run.close()
             raise
 
-    def _setup(self, cfg: Config, resume: bool, overwrite: bool) -> None:
+    def _setup(self, cfg: Config, resume: bool, overwrite: bool, accept_data_change: bool) -> None:
         check_task(cfg.data.task)  # the one key config cannot check (the task registry is data's)
-        resume_from, run_id, changes = self.run.begin(cfg, resume, overwrite)  # before any model is loaded
+        resume_from, run_id, changes = self.run.begin(cfg, resume, overwrite, accept_data_change)  # before any model is loaded
         configure_torch(cfg.train)
         self.objective = get_objective(cfg.algorithm.objective, **cfg.algorithm.hparams)
         self.controller = build_controller(cfg.algorithm.entropy_control, self.objective.hparams)  # entropy autopilot
