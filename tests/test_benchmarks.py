@@ -47,6 +47,7 @@ QUICK = {
     "precision_gradients.py": ([], ["precision_gradients.json", "precision_gradients.md"]),
     "precision_warmstart.py": ([], ["precision_warmstart.json", "precision_warmstart.md"]),
     "stability_map.py": ([], ["stability_map.json", "stability_map.md"]),
+    "small_steps.py": ([], ["small_steps.json", "small_steps.md"]),
 }
 
 

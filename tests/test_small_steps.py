@@ -1,0 +1,71 @@
+"""benchmarks/small_steps.py: the pilot's and the verdicts' rules on records whose answer is known, and its --quick
+pipeline killed mid-run and continued from its records and checkpoints."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import small_steps as ss  # benchmarks/ (tests/conftest.py)
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def record(method, seed, entropy, final_acc, share=0.0, acc=0.5, stopped=None):
+    n = len(entropy)
+    steps = {k: [0.0] * n for k in ss.KEEP}
+    steps.update({"entropy": list(entropy), "mb_last/clip/low_frac": [share / 2] * n,
+                  "mb_last/clip/high_frac": [share / 2] * n, "reward/accuracy": [acc] * n})
+    return dict(method=method, lr=1e-5, seed=seed, steps=steps, evals={"0": 0.3, str(n): final_acc}, stopped=stopped)
+
+
+def ramp(start, end, n=60, wiggle=0.0, seed=0):
+    return [start + (end - start) * t / (n - 1) + wiggle * (-1) ** (t + seed) for t in range(n)]
+
+
+def test_pilot_rule():
+    falls = record("GRPO", 0, ramp(1.0, 0.5), 0.5, share=0.02, acc=0.6)
+    assert ss.pilot_verdict(falls)["qualifies"]
+    assert not ss.pilot_verdict(record("GRPO", 0, ramp(1.0, 0.75), 0.5, share=0.02, acc=0.6))["qualifies"]  # -25 %
+    assert not ss.pilot_verdict(record("GRPO", 0, ramp(1.0, 0.5), 0.5, share=0.04, acc=0.6))["qualifies"]  # share
+    assert not ss.pilot_verdict(record("GRPO", 0, ramp(1.0, 0.5), 0.5, share=0.02, acc=0.95))["qualifies"]  # saturated
+    assert not ss.pilot_verdict(dict(falls, stopped="too large a step"))["qualifies"]
+    assert not ss.pilot_verdict(record("GRPO", 0, ramp(1.0, 0.5, n=15), 0.5, share=0.02))["qualifies"]  # no step 20
+    low_first = [0.6] + ramp(1.0, 0.5)[1:]  # the start is the mean of three steps, not one noisy step
+    assert ss.pilot_verdict(record("GRPO", 0, low_first, 0.5, share=0.02, acc=0.6))["qualifies"]
+
+
+def test_verdict_rules_on_known_records():
+    runs = [record("GRPO", s, ramp(1.0, 0.6, wiggle=0.02, seed=s), 0.50 + 0.01 * s) for s in range(3)]
+    runs += [record("DAPO", s, ramp(1.0, 1.2, seed=s), 0.52 + 0.01 * s) for s in range(3)]
+    runs += [record("CE-GPPO(0.5,1)", s, ramp(1.0, 0.9, wiggle=0.02, seed=s), 0.70 + 0.01 * s) for s in range(3)]
+    runs += [record("CE-GPPO(0.75,1)", s, ramp(1.0, 0.8, seed=s), 0.45 + 0.1 * s) for s in range(3)]
+    v = ss.verdicts(runs)
+    assert v["GRPO falls"]["met"] and not v["DAPO rises"]["met"]
+    assert v["CE-GPPO(0.5,1) holds"]["met"] and not v["CE-GPPO(0.75,1) holds"]["met"]  # -10 % holds, -20 % does not
+    assert v["CE-GPPO(0.5,1) beats"]["met"] and not v["CE-GPPO(0.75,1) beats"]["met"]  # 0.71 vs 0.53; 0.55 ± 0.058 vs 0.53
+    flat = [dict(r, steps=dict(r["steps"], entropy=ramp(1.0, 0.95))) if r["method"] == "GRPO" else r for r in runs]
+    assert not ss.verdicts(flat)["CE-GPPO(0.5,1) holds"]["met"]  # holding means nothing when GRPO does not fall
+    assert not ss.verdicts(runs[:1] + runs[3:4] + runs[6:7])["CE-GPPO(0.5,1) beats"]["met"]  # one seed: no SE
+    text = ss.report(dict(runs=runs, pilot=[runs[0]], command="x", commit="c", date="d", machine={}, precision="fp32",
+                          settings={}))
+    assert "- GRPO falls: **MET**" in text and "- CE-GPPO(0.75,1) holds: **NOT MET**" in text
+
+
+def test_quick_mode_killed_mid_run_continues_from_its_records(tmp_path):
+    cmd = [sys.executable, str(ROOT / "benchmarks" / "small_steps.py"), "--quick", "--out", str(tmp_path)]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "TQDM_DISABLE": "1"}
+    killed = subprocess.run(cmd, env={**env, "CEGPPO_FAILPOINT": "generation:4"}, capture_output=True, text=True,
+                            timeout=600)
+    assert killed.returncode == -9, killed.stderr[-2000:]  # SIGKILL in the first run's step 4: its step-2 checkpoint
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    result = json.loads((tmp_path / "small_steps.json").read_text())
+    assert [r["method"] for r in result["runs"]] == ["GRPO", "CE-GPPO(0.75,1)"]
+    first = result["runs"][0]
+    assert [s["from_step"] for s in first["sessions"]] == [0, 2] and len(first["steps"]["entropy"]) == 6
+    assert sorted(first["evals"], key=int) == ["0", "3", "6"] and (tmp_path / "small_steps.png").exists()
+    assert "## Verdicts" in (tmp_path / "small_steps.md").read_text()
