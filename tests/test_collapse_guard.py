@@ -104,3 +104,31 @@ def test_the_authors_stack_is_one_preset_the_paper_configs_take():
         assert cfg.algorithm.positive_loss_coeff == 0.1 and cfg.algorithm.overlong_filter
         assert cfg.algorithm.hparams["clip_ratio_c"] == 10.0
         assert not load_config(example_config(name), ["algorithm.overlong_filter=false"]).algorithm.overlong_filter
+
+
+
+def evidence(run: dict) -> list[tuple[float, float]]:
+    """Per step, the guard's two trend signals, each larger when worse: the reward's drop below its best so far, and
+    the entropy's fall from the first step (1 where no entropy was measured)."""
+    out, best = [], None
+    for reward, h in zip(run["reward"], run["entropy"]):
+        best = reward if best is None else max(best, reward)
+        out.append((best - reward, 1 - h / run["entropy"][0] if h else 1.0))
+    return out
+
+
+def test_no_reward_drop_and_entropy_fall_rule_names_seed_2_by_step_5():
+    """Why the guard names CE-GPPO(0.75,1) seed 2 at step 6, one step after its reward first fell below 0 (step 5):
+    at each of its steps 3-5 (after the guard's 2 warm-up steps) a healthy run (Autopilot (hold), seed 0, steps 7-9)
+    showed a larger reward drop and a larger entropy fall at once, so any rule on these two signals that named seed 2
+    by step 5 would name that healthy run too; at step 6 nothing healthy is as bad. (Its KL, beta1 share and
+    truncation were not recorded: entropy_control kept reward and entropy.)"""
+    seed2 = next(r for r in RUNS if r["label"] == "CE-GPPO(0.75,1)" and r["seed"] == 2)
+    healthy = [e for r in RUNS if not (r["label"] == "CE-GPPO(0.75,1)" and r["seed"] in (1, 2))
+               for e in evidence(r)[2:]]
+
+    def dominated(v: tuple[float, float]) -> bool:
+        return any(w[0] >= v[0] and w[1] >= v[1] for w in healthy)
+
+    assert all(dominated(v) for v in evidence(seed2)[2:5])
+    assert not dominated(evidence(seed2)[5])
