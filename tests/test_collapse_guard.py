@@ -119,8 +119,9 @@ def evidence(run: dict) -> list[tuple[float, float]]:
 
 def test_no_reward_drop_and_entropy_fall_rule_names_seed_2_by_step_5():
     """Why the guard names CE-GPPO(0.75,1) seed 2 at step 6, one step after its reward first fell below 0 (step 5):
-    at each of its steps 3-5 (after the guard's 2 warm-up steps) a healthy run (Autopilot (hold), seed 0, steps 7-9)
-    showed a larger reward drop and a larger entropy fall at once, so any rule on these two signals that named seed 2
+    at each of its steps 3-5 (after the guard's 2 warm-up steps) healthy runs (KL-Cov seed 1 at step 5, Autopilot
+    (hold) seed 0 at steps 7-9, Autopilot (up) seed 2 at step 8) showed a larger reward drop and a larger entropy fall
+    at once, so any rule on these two signals that named seed 2
     by step 5 would name that healthy run too; at step 6 nothing healthy is as bad. (Its KL, beta1 share and
     truncation were not recorded: entropy_control kept reward and entropy.)"""
     seed2 = next(r for r in RUNS if r["label"] == "CE-GPPO(0.75,1)" and r["seed"] == 2)
