@@ -133,3 +133,27 @@ def test_no_reward_drop_and_entropy_fall_rule_names_seed_2_by_step_5():
 
     assert all(dominated(v) for v in evidence(seed2)[2:5])
     assert not dominated(evidence(seed2)[5])
+
+
+FULL = json.loads((Path(__file__).parent / "fixtures" / "collapse_runs_full.json").read_text())["runs"]
+
+
+def first_full_finding(run: dict) -> tuple[int, str] | None:
+    """Replay a record that kept every metric the guard reads (the stability map's)."""
+    guard = CollapseGuard()
+    for i in range(len(run["steps"]["entropy"])):
+        found = guard.check({k: v[i] for k, v in run["steps"].items()})
+        if found:
+            return i + 1, found[0]
+    return None
+
+
+def test_the_guard_on_full_records_names_the_stuck_and_the_fallen_run():
+    """The map's CE-GPPO(0.75,1)+KL-stop+overlong at lr 5e-5: seed 4 never learned to stop (every response cut at
+    the 40-token cap from step 3, so the overlong filter left no token in the loss; its truncation started at 88 %, so
+    the rise rule could not see it) and is named at step 3; seed 3's reward fell from 0.78 to 0.02 at step 6; seeds
+    0-2 learned and are not named."""
+    found = {r["seed"]: first_full_finding(r) for r in FULL}
+    assert found[4][0] == 3 and "has not learned to stop" in found[4][1]
+    assert found[3][0] == 6 and "below its best" in found[3][1]
+    assert not any(found[s] for s in (0, 1, 2))

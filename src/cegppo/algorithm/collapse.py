@@ -9,7 +9,8 @@ then, each rule one named failure with its evidence:
   ``train.target_kl`` stopped the step at that mini-batch: its update was refused);
 - ``responses at the cap``: the share of responses cut at ``rollout.max_new_tokens`` past a bound and risen well
   above its lowest so far (a base model may start at the cap; a run that learned to stop and then runs back to it
-  has collapsed);
+  has collapsed), or nearly all of them cut after the first steps while almost none is right (a run that never
+  learned to stop: under ``algorithm.overlong_filter`` such a run has no token left in its loss);
 - ``entropy exploding`` / ``entropy collapsing``: the rollouts' entropy against the first step's;
 - ``reward collapsing``: accuracy near zero after the first steps, or the mean reward far below its best so far.
 
@@ -31,6 +32,8 @@ class CollapseBounds:
     beta1_share: float = 0.4  # share of tokens in the beta1 region in the step's last mini-batch
     truncated: float = 0.5  # share of responses cut at the token cap ...
     truncated_rise: float = 0.3  # ... that has also risen this much above its lowest so far
+    stuck_truncated: float = 0.95  # or this share cut after the warm-up steps ...
+    stuck_accuracy: float = 0.25  # ... while the rollout accuracy is at or below this
     entropy_high: float = 3.0  # x the first step's entropy
     entropy_low: float = 0.02  # x the first step's entropy
     min_accuracy: float = 0.05  # rollout accuracy at or below this, from step `warmup_steps` + 1 on
@@ -67,6 +70,11 @@ class CollapseGuard:
             if cut > b.truncated and cut - low >= b.truncated_rise:
                 out.append(f"responses at the cap: {100 * cut:.0f}% cut at the token limit > {100 * b.truncated:g}%, up "
                            f"from {100 * low:.0f}%")
+            acc = value("reward/accuracy")
+            if s["steps"] > b.warmup_steps and cut >= b.stuck_truncated and acc is not None and acc <= b.stuck_accuracy:
+                out.append(f"responses at the cap: {100 * cut:.0f}% cut at the token limit after step {b.warmup_steps}"
+                           f" and the rollout accuracy {acc:.3f} <= {b.stuck_accuracy:g}: the run has not learned to "
+                           f"stop")
         h = value("entropy")
         if h is not None:
             h0 = s.setdefault("first_entropy", h)
