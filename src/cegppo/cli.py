@@ -13,7 +13,7 @@ import sys
 from importlib import resources
 from pathlib import Path
 
-from cegppo.io import atomic_write_text, one_line
+from cegppo.io import create_new_file, one_line
 
 log = logging.getLogger("cegppo")
 
@@ -72,7 +72,9 @@ def eval_outputs(out: str) -> tuple[Path, Path]:
 
 
 def cmd_eval(args) -> int:
-    from cegppo.recipes import EvalRequest, check_eval_request, check_new_output, run_eval
+    from contextlib import nullcontext
+
+    from cegppo.recipes import EvalRequest, check_eval_request, new_outputs
     from cegppo.engine.rollout import Sampling
 
     temperature, top_p = (0.0, 1.0) if args.greedy else (args.temperature, args.top_p)
@@ -80,11 +82,19 @@ def cmd_eval(args) -> int:
                       args.num_problems, args.difficulty, args.reward, args.dtype, args.max_prompt_tokens,
                       args.batch_prompts, args.seed, args.device)
     check_eval_request(req)
-    if args.out:  # before the evaluation: never overwrite a file, an input in particular
-        inputs = {**{f"--data {d}": d for d in args.data}, "--model": args.model}
-        for path in eval_outputs(args.out):
-            check_new_output(path, "--out", directory=False, inputs=inputs)
-    how = "greedy" if temperature == 0 else f"sampling at temperature {temperature:g}, top-p {top_p:g}"
+    # before the evaluation: never overwrite a file (an input in particular); claimed until written, so a second
+    # command with the same --out is refused rather than mixed with this one
+    inputs = {**{f"--data {d}": d for d in args.data}, "--model": args.model}
+    outputs = list(eval_outputs(args.out)) if args.out else []
+    with new_outputs(outputs, "--out", directory=False, inputs=inputs) if outputs else nullcontext():
+        return _evaluate(args, req, outputs)
+
+
+def _evaluate(args, req, outputs: list[Path]) -> int:
+    from cegppo.recipes import run_eval
+
+    s = req.sampling
+    how = "greedy" if s.temperature == 0 else f"sampling at temperature {s.temperature:g}, top-p {s.top_p:g}"
     log.info("cegppo eval: k=%d, %s, up to %d new tokens", args.k, how, args.max_new_tokens)
     result = run_eval(req)
     k = args.k
@@ -93,10 +103,10 @@ def cmd_eval(args) -> int:
     for src, s in result.summary.items():
         print(f"| {src} | {s['num_problems']} | {s['avg@k']:.4f} | {s['pass@k']:.4f} | {s['maj@k']:.4f} "
               f"| {s['scorer_failures']} of {s['graded']} ({s['scorer_timeouts']}) |")
-    if args.out:
-        out, summary = eval_outputs(args.out)
-        atomic_write_text(out, "".join(json.dumps(r) + "\n" for r in result.rows))
-        atomic_write_text(summary, json.dumps(result.summary, indent=2))
+    if outputs:
+        out, summary = outputs
+        create_new_file(out, "".join(json.dumps(r) + "\n" for r in result.rows).encode())
+        create_new_file(summary, (json.dumps(result.summary, indent=2) + "\n").encode())
         print(f"per-problem results: {out}")
     note = result.failure_note()
     if note:
@@ -238,10 +248,12 @@ def _bad_input_errors() -> tuple[type[BaseException], ...]:
     from cegppo.engine.checkpoint import CheckpointError
     from cegppo.engine.models import ModelLoadError
     from cegppo.engine.rundir import TrainingError
+    from cegppo.engine.runlock import RunLockedError
 
     # ValueError and OSError cover the rest of what a user can get wrong (an unknown task name, a path that is
     # missing, a file that cannot be read or written)
-    return (ConfigError, DatasetError, ModelLoadError, TrainingError, CheckpointError, UsageError, ValueError, OSError)
+    return (ConfigError, DatasetError, ModelLoadError, TrainingError, CheckpointError, RunLockedError, UsageError,
+            ValueError, OSError)
 
 
 if __name__ == "__main__":

@@ -3,6 +3,7 @@ one-line error text."""
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import shutil
@@ -36,19 +37,66 @@ def fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def atomic_write_bytes(path: str | Path, data: bytes) -> None:
-    """Write to a temporary sibling, fsync, rename over ``path``, fsync the directory."""
-    path = Path(path)
+def named(e: OSError, path: str | Path) -> OSError:
+    """``e`` with ``path`` as its file name when it has none (``write()`` on a full disk raises ``ENOSPC`` naming no
+    file): the message then says which file could not be written."""
+    if e.filename is not None or e.errno is None:
+        return e
+    return OSError(e.errno, e.strerror or os.strerror(e.errno), str(path))  # the errno's subclass, e.g. PermissionError
+
+
+def _write_temp(path: Path, data: bytes) -> Path:
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
     try:
         with open(tmp, "wb") as f:
             f.write(data)
             f.flush()
             os.fsync(f.fileno())
+    except OSError as e:
+        tmp.unlink(missing_ok=True)
+        raise named(e, path) from None
+    return tmp
+
+
+def atomic_write_bytes(path: str | Path, data: bytes) -> None:
+    """Write to a temporary sibling, fsync, rename over ``path``, fsync the directory."""
+    path = Path(path)
+    tmp = _write_temp(path, data)
+    try:
         os.replace(tmp, path)
+    except OSError as e:
+        raise named(e, path) from None
     finally:
         if tmp.exists():
             tmp.unlink()
+    fsync_dir(path.parent)
+
+
+# file systems without hard links (some FUSE and SMB mounts) answer os.link with one of these
+_NO_LINKS = {errno.EPERM, errno.EOPNOTSUPP, errno.ENOTSUP, errno.ENOSYS, errno.EMLINK, errno.EXDEV}
+
+
+def create_new_file(path: str | Path, data: bytes) -> None:
+    """Write ``data`` as the new file ``path``, an output that must replace nothing: into a temporary sibling,
+    fsynced, then hard-linked into place, which fails (``FileExistsError`` naming ``path``) where ``os.replace`` would
+    silently replace a file that appeared meanwhile. A reader never sees a half-written file."""
+    path = Path(path)
+    tmp = _write_temp(path, data)
+    try:
+        try:
+            os.link(tmp, path)
+        except FileExistsError:
+            raise FileExistsError(errno.EEXIST, "created by something else while this command ran; not "
+                                  "overwritten", str(path)) from None
+        except OSError as e:
+            if e.errno not in _NO_LINKS:
+                raise named(e, path) from None
+            if os.path.lexists(path):  # no hard links here: check, then rename (the output's claim guards the gap)
+                raise FileExistsError(errno.EEXIST, "created by something else while this command ran; not "
+                                      "overwritten", str(path)) from None
+            os.rename(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
     fsync_dir(path.parent)
 
 
@@ -90,7 +138,10 @@ def read_jsonl(path: str | Path) -> list[dict]:
 
 
 def append_jsonl(path: str | Path, row: dict) -> None:
-    with open(path, "a") as f:
-        f.write(json.dumps(row, sort_keys=True) + "\n")
-        f.flush()
-        os.fsync(f.fileno())
+    try:
+        with open(path, "a") as f:
+            f.write(json.dumps(row, sort_keys=True) + "\n")
+            f.flush()
+            os.fsync(f.fileno())
+    except OSError as e:
+        raise named(e, path) from None

@@ -9,9 +9,10 @@ import os
 import resource
 import shutil
 import time
+from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Iterator
 
 import torch
 
@@ -30,6 +31,7 @@ from cegppo.engine.precision import resolve_device, resolve_dtype, resolve_preci
 from cegppo.engine.provenance import machine
 from cegppo.engine.rollout import HFGenerator, Sampling
 from cegppo.engine.rundir import RunInterrupted, TrainingError
+from cegppo.engine.runlock import OutputLock
 from cegppo.engine.sft import supervised_warmup
 from cegppo.engine.trainer import Trainer
 from cegppo.io import probe_writable, read_jsonl
@@ -256,10 +258,30 @@ def check_new_output(path: Path, key: str, *, directory: bool, headroom: int = 0
         raise ConfigError(f"{key} {path}: cannot write in {path.parent}: {e.strerror or e}") from None
 
 
+@contextmanager
+def new_outputs(paths: list[Path], key: str, *, directory: bool, headroom: int = 0,
+                inputs: dict[str, str] | None = None) -> Iterator[None]:
+    """Hold an exclusive claim on each new output in ``paths`` (:class:`OutputLock`) for the ``with`` block: each is
+    checked as :func:`check_new_output` says, claimed, then checked again (a command holding the claim until just now
+    may have written it). A second command with the same output is refused, naming the path and the holder."""
+    for path in paths:
+        check_new_output(path, key, directory=directory, headroom=headroom, inputs=inputs)
+    with ExitStack() as stack:
+        for path in paths:
+            stack.enter_context(OutputLock(path, key))
+        for path in paths:
+            check_new_output(path, key, directory=directory, headroom=headroom, inputs=inputs)
+        yield
+
+
 def run_sft(cfg: Config, out: Path, steps: int) -> list[float]:
     """Supervised warm-start of ``model.name`` on the training split's reference solutions, saved to ``out`` (new or
-    empty, checked before anything loads; written into a temporary directory beside it, then renamed)."""
-    check_new_output(out, "--out", directory=True, headroom=MODEL_DIR_HEADROOM, inputs={"model.name": cfg.model.name})
+    empty, checked and claimed before anything loads; written into a temporary directory beside it, then renamed)."""
+    with new_outputs([out], "--out", directory=True, headroom=MODEL_DIR_HEADROOM, inputs={"model.name": cfg.model.name}):
+        return _sft(cfg, out, steps)
+
+
+def _sft(cfg: Config, out: Path, steps: int) -> list[float]:
     check_task(cfg.data.task)
     train, _ = load_splits(cfg)
     check_data(replace(cfg, sft=replace(cfg.sft, steps=steps)), train)  # before the model loads
@@ -276,9 +298,8 @@ def run_sft(cfg: Config, out: Path, steps: int) -> list[float]:
         tmp.mkdir()
         model.save_pretrained(tmp, safe_serialization=True)
         tok.save_pretrained(tmp)
-        if out.is_dir():
-            out.rmdir()  # empty, as checked up front (an entry added since makes this fail: nothing is replaced)
-        tmp.rename(out)
+        # rename(2) replaces only an empty directory (as checked under the claim); anything else there fails it
+        os.rename(tmp, out)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise

@@ -8,10 +8,16 @@ says so (``reclaimed the lock of dead process N``) before replacing it.
 
 The lock is per process: ``Trainer`` objects created one after the other in one process (a notebook, a test) on
 the same directory share it, counted, and the last one to close (or be garbage-collected) releases it.
+
+The outputs of the other commands (``cegppo eval --out``, ``compare --out``, ``sft --out``) are claimed the same way
+by :class:`OutputLock`, from the check that the path is new until it is written: a second command with the same
+``--out`` is refused naming the path and the holder.
 """
 
 from __future__ import annotations
 
+import errno
+import fcntl
 import json
 import logging
 import os
@@ -146,6 +152,104 @@ class RunLock:
             self._finalizer = None
 
     def __enter__(self) -> RunLock:
+        return self.acquire()
+
+    def __exit__(self, *exc) -> None:
+        self.release()
+
+
+# ---------------------------------------------------------------------------------------------------- outputs
+
+
+class OutputInUseError(RunLockedError):
+    """Another cegppo command is writing the same output path."""
+
+
+OUTPUT_LOCK_SUFFIX = ".cegppo-lock"
+
+
+def _drop_output_lock(fd: int, lock_path: str) -> None:
+    """Remove the lock file while still holding it (so no one can take the old file after us), then unlock."""
+    try:
+        st, mine = os.stat(lock_path), os.fstat(fd)
+        if (st.st_dev, st.st_ino) == (mine.st_dev, mine.st_ino):
+            os.unlink(lock_path)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)  # drops the flock
+
+
+class OutputLock:
+    """An exclusive claim on a path a command creates (a file or a directory), held from the check that it is new
+    until it is written. The lock is a ``flock`` on a hidden sibling, ``.<name>.cegppo-lock`` (beside the output,
+    never in it: an output directory must be new or empty), which holds the holder's record and is removed on
+    release; the OS drops the lock of a process that dies, and the next claimant takes the file over.
+    ``acquire()`` raises :class:`OutputInUseError` naming ``key`` and the path."""
+
+    def __init__(self, path: str | Path, key: str = "--out"):
+        self.path = Path(path)
+        self.key = key
+        self.lock_path = str(self.path.parent / f".{self.path.name}{OUTPUT_LOCK_SUFFIX}")
+        self._finalizer: weakref.finalize | None = None
+
+    @property
+    def held(self) -> bool:
+        return self._finalizer is not None and self._finalizer.alive
+
+    def _holder(self) -> dict | None:
+        try:
+            owner = json.loads(Path(self.lock_path).read_text() or "null")
+        except (OSError, ValueError):
+            return None
+        return owner if isinstance(owner, dict) else None
+
+    def acquire(self) -> OutputLock:
+        if self.held:
+            return self
+        for _ in range(16):  # a holder removing its file between our open and our flock: open the new one
+            fd = os.open(self.lock_path, os.O_RDWR | os.O_CREAT, 0o644)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except OSError as e:
+                os.close(fd)
+                if e.errno not in (errno.EAGAIN, errno.EACCES, errno.EWOULDBLOCK):
+                    raise
+                raise OutputInUseError(
+                    f"{self.key} {self.path} is being written by another cegppo command "
+                    f"({describe_owner(self._holder())}); wait for it to finish, or choose another path") from None
+            try:
+                st, mine = os.stat(self.lock_path), os.fstat(fd)
+                if (st.st_dev, st.st_ino) == (mine.st_dev, mine.st_ino):
+                    break
+            except FileNotFoundError:
+                pass
+            os.close(fd)
+        else:
+            raise OutputInUseError(f"{self.key} {self.path}: could not claim {self.lock_path} (other commands keep "
+                                   f"taking and releasing it); try again")
+        try:
+            previous = self._holder()
+            if previous and previous.get("pid") != os.getpid():  # its process died holding it (the OS unlocked it)
+                log.warning("%s %s: took over the claim of process %s on %s (since %s), which no longer holds it",
+                            self.key, self.path, previous.get("pid"), previous.get("host"), previous.get("since"))
+            record = json.dumps({"pid": os.getpid(), "host": socket.gethostname(),
+                                 "since": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+                                 "command": " ".join(sys.argv)[:500]}).encode()
+            os.ftruncate(fd, 0)
+            os.pwrite(fd, record, 0)
+        except BaseException:
+            _drop_output_lock(fd, self.lock_path)
+            raise
+        self._finalizer = weakref.finalize(self, _drop_output_lock, fd, self.lock_path)
+        return self
+
+    def release(self) -> None:
+        if self._finalizer is not None:
+            self._finalizer()
+            self._finalizer = None
+
+    def __enter__(self) -> OutputLock:
         return self.acquire()
 
     def __exit__(self, *exc) -> None:

@@ -3,10 +3,13 @@ line per run) and ``summary.md``."""
 
 from __future__ import annotations
 
+import os
+import shutil
 from pathlib import Path
 
 from cegppo.algorithm.diagnostics import QUADRANTS
-from cegppo.io import atomic_write_text
+from cegppo.engine.runlock import OutputLock
+from cegppo.io import atomic_write_text, create_new_file, fsync_dir
 from cegppo.reporting.plots import (
     ACCURACY_LABEL, BETA_KEYS, BETA_LABEL, ENTROPY_LABEL, EVAL_TAGS, PERCENT_LABEL, REWARD_LABEL, TAG_MARKERS, Run,
     draw_betas, draw_held_out, legend_right, log_if_spread, pyplot, save_png, series, style, wrap,
@@ -103,22 +106,49 @@ def check_output(runs: list[Path], out: Path) -> None:
 
 def compare_runs(runs: list[Path], out: Path) -> list[Path]:
     """Write ``compare.png`` (all panels), one ``<metric>.png`` per panel with data, and ``summary.md`` into ``out``
-    (refused up front when that would overwrite a file or write into a compared run)."""
+    (refused up front when that would overwrite a file or write into a compared run). ``out`` is claimed for the
+    whole command (a second ``compare`` into it is refused); every file is written into a temporary directory
+    beside it, then moved in, each whole and without replacing anything (summary.md last)."""
     for r in runs:
         if not (r / "metrics.jsonl").is_file():
             raise FileNotFoundError(f"{r} is not a cegppo run directory (no metrics.jsonl)")
     check_output(runs, out)
-    out.mkdir(parents=True, exist_ok=True)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with OutputLock(out, "--out"):
+        check_output(runs, out)  # again: the command that held the claim until now may have written it
+        loaded = [Run.load(r) for r in runs]
+        tmp = out.parent / f".tmp-{out.name}-{os.getpid()}"
+        tmp.mkdir()
+        try:
+            names = write_comparison(loaded, tmp)
+            return publish(tmp, out, names)
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+
+
+def write_comparison(loaded: list[Run], into: Path) -> list[str]:
+    """The comparison's files in ``into``; their names, summary.md last."""
     plt = pyplot()
-    loaded = [Run.load(r) for r in runs]
-    written = []
+    names = []
     for name, keys in [("compare", None)] + [(k.replace("/", "_"), [k]) for k, *_ in PANELS + [BETA_PANEL]
                                              if has_data(loaded, k)]:
         fig = compare_figure(loaded, keys)
-        written.append(save_png(fig, out / f"{name}.png"))
+        names.append(save_png(fig, into / f"{name}.png").name)
         plt.close(fig)
-    written.append(summary_table(loaded, out / "summary.md"))
-    return written
+    names.append(summary_table(loaded, into / "summary.md").name)
+    return names
+
+
+def publish(tmp: Path, out: Path, names: list[str]) -> list[Path]:
+    """Move the finished files from ``tmp`` into ``out``: the whole directory at once when ``out`` is new, else each
+    file hard-linked in (never replacing one; :func:`cegppo.io.create_new_file`'s rule)."""
+    if not out.exists():
+        os.rename(tmp, out)
+        fsync_dir(out.parent)
+        return [out / n for n in names]
+    for n in names:
+        create_new_file(out / n, (tmp / n).read_bytes())
+    return [out / n for n in names]
 
 
 def summary_table(runs: list[Run], path: Path) -> Path:
