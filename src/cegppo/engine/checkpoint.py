@@ -9,7 +9,6 @@ with the run id too). Pruning (``keep``) only ever removes checkpoints of the sa
 
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
 import os
@@ -20,7 +19,7 @@ from typing import Any
 
 import torch
 
-from cegppo.engine.artefacts import optimizer_state_problem
+from cegppo.engine.artefacts import optimizer_state_problem, sha256_file
 from cegppo.errors import show
 from cegppo.faults import failpoint
 from cegppo.io import fsync_dir, one_line, replace_dir
@@ -31,14 +30,6 @@ MANIFEST = "manifest.json"
 
 class CheckpointError(RuntimeError):
     pass
-
-
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
 
 
 def _fsync_tree(root: Path) -> None:
@@ -94,7 +85,7 @@ def save_checkpoint(
         manifest = {
             "step": step,
             "run_id": run_id,
-            "files": {str(p.relative_to(tmp)): {"bytes": p.stat().st_size, "sha256": _sha256(p)} for p in files},
+            "files": {str(p.relative_to(tmp)): {"bytes": p.stat().st_size, "sha256": sha256_file(p)} for p in files},
         }
         (tmp / MANIFEST).write_text(json.dumps(manifest, indent=2, sort_keys=True) + "\n")  # fsynced below
         _fsync_tree(tmp)
@@ -188,7 +179,7 @@ def verify_checkpoint(path: Path) -> str | None:
             return f"missing {rel}"
         if p.stat().st_size != meta["bytes"]:
             return f"{rel} has {p.stat().st_size} bytes, manifest says {meta['bytes']}"
-        if _sha256(p) != meta["sha256"]:
+        if sha256_file(p) != meta["sha256"]:
             return f"{rel} does not match its SHA-256"
     return None
 
