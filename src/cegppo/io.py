@@ -118,22 +118,39 @@ def atomic_write_json(path: str | Path, obj: Any) -> None:
     atomic_write_text(path, json.dumps(obj, indent=2, sort_keys=True) + "\n")
 
 
-def read_jsonl(path: str | Path) -> list[dict]:
-    """Rows of a JSONL file; a torn last line (a kill mid-append) is ignored."""
-    rows = []
+def read_jsonl(path: str | Path, int_keys: tuple[str, ...] = ()) -> list[dict]:
+    """Rows of a JSONL file, each a JSON object (with an integer >= 0 under each of ``int_keys``); a torn last line
+    (a kill mid-append) is ignored. Anything else is a one-line ``ValueError`` naming ``path:line``: a line that is
+    not UTF-8 or not JSON, JSON nested too deep or a number too long to read, a row that is not an object."""
+    rows: list[dict] = []
     path = Path(path)
     if not path.exists():
         return rows
-    lines = path.read_text().splitlines(keepends=True)
-    for i, line in enumerate(lines):
+    lines = path.read_bytes().splitlines(keepends=True)
+    for i, raw in enumerate(lines):
+        where = f"{path}:{i + 1}"
+        try:
+            line = raw.decode("utf-8")
+        except UnicodeDecodeError as e:
+            raise ValueError(f"{where}: not UTF-8 text (byte 0x{raw[e.start]:02x}); expected JSON lines") from None
         if not line.strip():
             continue
         try:
-            rows.append(json.loads(line))
+            row = json.loads(line)
         except json.JSONDecodeError:
             if i == len(lines) - 1 and not line.endswith("\n"):
                 break  # torn final append
-            raise ValueError(f"{path}:{i + 1}: not valid JSON") from None
+            raise ValueError(f"{where}: not valid JSON") from None
+        except (ValueError, RecursionError) as e:  # an integer of thousands of digits, nesting past the stack
+            raise ValueError(f"{where}: not readable JSON ({type(e).__name__}: {one_line(e, 120)})") from None
+        if not isinstance(row, dict):
+            raise ValueError(f"{where}: expected a JSON object (one row per line), got {type(row).__name__} "
+                             f"{one_line(line, 60)}")
+        for key in int_keys:
+            value = row.get(key)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise ValueError(f"{where}: {key!r} must be an integer >= 0, got {one_line(repr(value), 60)}")
+        rows.append(row)
     return rows
 
 

@@ -17,7 +17,7 @@ from fnmatch import fnmatchcase
 from pathlib import Path
 from typing import Any
 
-from cegppo.config import Config, save_config, validate
+from cegppo.config import Config, ConfigError, load_yaml, read_config_text, save_config, validate
 from cegppo.engine import checkpoint as ckpt
 from cegppo.engine.artefacts import data_changes, data_fingerprints
 from cegppo.engine.provenance import provenance
@@ -295,12 +295,15 @@ class RunDir:
         self.save_config(cfg)
 
     def read_config(self) -> dict | None:
-        """The run's original config (``config.yaml``) as a mapping, if readable."""
-        import yaml
-
+        """The run's original config (``config.yaml``) as a mapping, if readable; read by the config loader's bounded
+        parser (a hostile file is logged and treated as unreadable, in milliseconds)."""
+        path = self.path / "config.yaml"
+        if not path.exists():
+            return None
         try:
-            tree = yaml.safe_load((self.path / "config.yaml").read_text())
-        except (OSError, yaml.YAMLError):
+            tree = load_yaml(read_config_text(path), str(path))
+        except ConfigError as e:
+            log.warning("%s", e)
             return None
         return tree if isinstance(tree, dict) else None
 

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from io import BytesIO
 from pathlib import Path
 
+from cegppo.config import ConfigError, load_yaml, read_config_text, show
 from cegppo.io import atomic_write_bytes, read_jsonl
 
 EVAL_TAGS = ("base", "warm-start", "periodic", "final")  # eval.jsonl rows that are held-out accuracy points
@@ -69,11 +70,34 @@ def objective_defaults(objective: str) -> dict:
 def eval_points(run_dir: Path, rows: list[dict]) -> list[dict]:
     """Held-out accuracy points, one per (step, tag) (the last written), base before warm-start at step 0.
     ``val/accuracy`` in the metrics fills in periodic points that eval.jsonl lacks."""
-    pts = {(e["step"], e["tag"]): e for e in read_jsonl(run_dir / "eval.jsonl")
+    pts = {(e["step"], e["tag"]): e for e in read_jsonl(run_dir / "eval.jsonl", int_keys=("step",))
            if e.get("tag") in EVAL_TAGS and isinstance(e.get("accuracy"), (int, float))}
     for step, acc in zip(*series(rows, "val/accuracy")):
         pts.setdefault((step, "periodic"), {"step": step, "tag": "periodic", "accuracy": acc})
     return sorted(pts.values(), key=lambda e: (e["step"], EVAL_TAGS.index(e["tag"])))
+
+
+def read_run_config(path: Path) -> dict:
+    """A run's ``config.yaml`` as a mapping ({} when there is none), read by the config loader's bounded parser;
+    the parts a plot reads (``algorithm``, its ``hparams``, ``objective``) must have their shapes."""
+    if not path.exists() and not path.is_symlink():
+        return {}
+    tree = load_yaml(read_config_text(path), str(path))
+    if tree is None:
+        return {}
+    if not isinstance(tree, dict):
+        raise ConfigError(f"{path}: the top level must be a mapping of config sections, got {type(tree).__name__} "
+                          f"{show(tree)}")
+    algorithm = tree.get("algorithm")
+    if algorithm is not None:
+        if not isinstance(algorithm, dict):
+            raise ConfigError(f"{path}: algorithm must be a mapping, got {type(algorithm).__name__} {show(algorithm)}")
+        hp, objective = algorithm.get("hparams"), algorithm.get("objective")
+        if hp is not None and not (isinstance(hp, dict) and all(isinstance(k, str) for k in hp)):
+            raise ConfigError(f"{path}: algorithm.hparams must be a mapping of names to values, got {show(hp)}")
+        if objective is not None and not isinstance(objective, str):
+            raise ConfigError(f"{path}: algorithm.objective must be a name, got {show(objective)}")
+    return tree
 
 
 @dataclass
@@ -87,12 +111,11 @@ class Run:
 
     @classmethod
     def load(cls, run_dir: str | Path) -> Run:
-        import yaml
-
+        """Read through the hardened loaders (bounded YAML, checked JSON lines): a hostile or damaged file is a
+        one-line ``ValueError`` (``ConfigError``) naming it."""
         path = Path(run_dir)
-        rows = read_jsonl(path / "metrics.jsonl")
-        cfg = path / "config.yaml"
-        return cls(path, rows, eval_points(path, rows), (yaml.safe_load(cfg.read_text()) or {}) if cfg.exists() else {})
+        rows = read_jsonl(path / "metrics.jsonl", int_keys=("step",))
+        return cls(path, rows, eval_points(path, rows), read_run_config(path / "config.yaml"))
 
     @property
     def objective(self) -> str:
