@@ -75,6 +75,7 @@ def test_overlong_filter_takes_cut_responses_out_of_the_loss(tiny_config, tmp_pa
             (row,) = train_loop(tr)
             assert row["response_length/clip_ratio"] == 1.0
             assert torch.equal(params(tr.model), before) == on
+            assert row.get("overlong/in_loss_frac") == (0.0 if on else None)  # what the guard's signal rule reads
 
 
 def test_kl_early_stop_skips_the_rest_of_the_step(tiny_config, tmp_path):
@@ -150,10 +151,10 @@ def first_full_finding(run: dict) -> tuple[int, str] | None:
 
 def test_the_guard_on_full_records_names_the_stuck_and_the_fallen_run():
     """The map's CE-GPPO(0.75,1)+KL-stop+overlong at lr 5e-5: seed 4 never learned to stop (every response cut at
-    the 40-token cap from step 3, so the overlong filter left no token in the loss; its truncation started at 88 %, so
-    the rise rule could not see it) and is named at step 3; seed 3's reward fell from 0.78 to 0.02 at step 6; seeds
+    the 40-token cap from step 3, so the overlong filter left no response in the loss; its truncation started at 88 %,
+    so the rise rule could not see it) and is named at step 3; seed 3's reward fell from 0.78 to 0.02 at step 6; seeds
     0-2 learned and are not named."""
     found = {r["seed"]: first_full_finding(r) for r in FULL}
-    assert found[4][0] == 3 and "has not learned to stop" in found[4][1]
+    assert found[4][0] == 3 and "no learning signal: the overlong filter left 0%" in found[4][1]
     assert found[3][0] == 6 and "below its best" in found[3][1]
     assert not any(found[s] for s in (0, 1, 2))

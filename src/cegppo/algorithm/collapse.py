@@ -9,8 +9,9 @@ then, each rule one named failure with its evidence:
   ``train.target_kl`` stopped the step at that mini-batch: its update was refused);
 - ``responses at the cap``: the share of responses cut at ``rollout.max_new_tokens`` past a bound and risen well
   above its lowest so far (a base model may start at the cap; a run that learned to stop and then runs back to it
-  has collapsed), or nearly all of them cut after the first steps while almost none is right (a run that never
-  learned to stop: under ``algorithm.overlong_filter`` such a run has no token left in its loss);
+  has collapsed);
+- ``no learning signal``: after the first steps, ``algorithm.overlong_filter`` left (almost) no response in the loss
+  (``overlong/in_loss_frac``): every response is cut at the cap, so nothing teaches the policy to stop;
 - ``entropy exploding`` / ``entropy collapsing``: the rollouts' entropy against the first step's;
 - ``reward collapsing``: accuracy near zero after the first steps, or the mean reward far below its best so far.
 
@@ -32,8 +33,7 @@ class CollapseBounds:
     beta1_share: float = 0.4  # share of tokens in the beta1 region in the step's last mini-batch
     truncated: float = 0.5  # share of responses cut at the token cap ...
     truncated_rise: float = 0.3  # ... that has also risen this much above its lowest so far
-    stuck_truncated: float = 0.95  # or this share cut after the warm-up steps ...
-    stuck_accuracy: float = 0.25  # ... while the rollout accuracy is at or below this
+    min_in_loss: float = 0.05  # share of responses the overlong filter leaves in the loss, after the warm-up steps
     entropy_high: float = 3.0  # x the first step's entropy
     entropy_low: float = 0.02  # x the first step's entropy
     min_accuracy: float = 0.05  # rollout accuracy at or below this, from step `warmup_steps` + 1 on
@@ -70,11 +70,11 @@ class CollapseGuard:
             if cut > b.truncated and cut - low >= b.truncated_rise:
                 out.append(f"responses at the cap: {100 * cut:.0f}% cut at the token limit > {100 * b.truncated:g}%, up "
                            f"from {100 * low:.0f}%")
-            acc = value("reward/accuracy")
-            if s["steps"] > b.warmup_steps and cut >= b.stuck_truncated and acc is not None and acc <= b.stuck_accuracy:
-                out.append(f"responses at the cap: {100 * cut:.0f}% cut at the token limit after step {b.warmup_steps}"
-                           f" and the rollout accuracy {acc:.3f} <= {b.stuck_accuracy:g}: the run has not learned to "
-                           f"stop")
+        in_loss = value("overlong/in_loss_frac")
+        if s["steps"] > b.warmup_steps and in_loss is not None and in_loss <= b.min_in_loss:
+            out.append(f"no learning signal: the overlong filter left {100 * in_loss:.0f}% of responses in the loss "
+                       f"(<= {100 * b.min_in_loss:g}%): they are cut at the token cap, and nothing teaches the policy "
+                       f"to stop (raise rollout.max_new_tokens or turn algorithm.overlong_filter off)")
         h = value("entropy")
         if h is not None:
             h0 = s.setdefault("first_entropy", h)

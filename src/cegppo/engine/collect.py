@@ -67,4 +67,7 @@ def collect(cfg: Config, step: int, data: DataOrder, cursor: int, generator: Any
     for k in MEANS:
         stats[k] /= stats["train/num_gen_batches"]
     stats["train/kept_groups"] = kept_groups
-    return (Experience.concat(kept, pad_token_id) if kept else None), stats, cursor
+    exp = Experience.concat(kept, pad_token_id) if kept else None
+    if exp is not None and exp.in_loss is not None:  # the guard names a run whose loss the filter emptied
+        stats["overlong/in_loss_frac"] = exp.in_loss.float().mean().item()
+    return exp, stats, cursor
