@@ -13,7 +13,8 @@ import sys
 from importlib import resources
 from pathlib import Path
 
-from cegppo.io import create_new_file, one_line
+from cegppo.errors import describe_os_error
+from cegppo.io import cache_root, create_new_file, one_line
 
 log = logging.getLogger("cegppo")
 
@@ -39,6 +40,17 @@ def _resolve_config(arg: str | None) -> Path:
     return example_config(arg)  # a bundled name: quickstart, tiny, paper_1p5b, paper_7b
 
 
+def _existing(pairs: list[tuple[str, str | None]]) -> list[tuple[str, str]]:
+    return [(k, v) for k, v in pairs if v and os.path.lexists(os.path.expanduser(v))]
+
+
+def _config_paths(cfg) -> list[tuple[str, str]]:
+    """The settings that name paths, for an OS error's message (the file it concerns belongs to one of them)."""
+    return [("output_dir", cfg.output_dir), ("$CEGPPO_CACHE", str(cache_root())),
+            *_existing([("model.name", cfg.model.name), ("data.train_path", cfg.data.train_path),
+                        ("data.test_path", cfg.data.test_path)])]
+
+
 def cmd_train(args) -> int:
     from cegppo.config import load_config
     from cegppo.recipes import run_training
@@ -46,6 +58,7 @@ def cmd_train(args) -> int:
     if args.accept_data_change and not args.resume:
         raise UsageError("--accept-data-change applies to --resume (a fresh run fingerprints the data it starts on)")
     cfg = load_config(_resolve_config(args.config), args.overrides)
+    args.paths = _config_paths(cfg)
     summary = run_training(cfg, resume=args.resume, overwrite=args.overwrite, accept_data_change=args.accept_data_change)
     print(json.dumps(summary, indent=2))
     print(f"run directory: {cfg.output_dir} (metrics.jsonl, eval.jsonl, training_curves.png, checkpoints/)")
@@ -57,6 +70,7 @@ def cmd_sft(args) -> int:
     from cegppo.recipes import run_sft
 
     cfg = load_config(_resolve_config(args.config), args.overrides)
+    args.paths = [("--out", args.out), *_config_paths(cfg)[1:]]
     steps = cfg.sft.steps or 40
     losses = run_sft(cfg, Path(args.out), steps)
     print(f"SFT {steps} steps: loss {losses[0]:.3f} -> {losses[-1]:.3f}; saved to {args.out}")
@@ -77,6 +91,9 @@ def cmd_eval(args) -> int:
     from cegppo.recipes import EvalRequest, check_eval_request, new_outputs
     from cegppo.engine.rollout import Sampling
 
+    args.paths = [*(("--out", str(p)) for p in (eval_outputs(args.out) if args.out else ())),
+                  ("$CEGPPO_CACHE", str(cache_root())),
+                  *_existing([("--model", args.model), *(("--data", d) for d in args.data)])]
     temperature, top_p = (0.0, 1.0) if args.greedy else (args.temperature, args.top_p)
     req = EvalRequest(args.model, args.data, args.k, Sampling(temperature, top_p, 0, args.max_new_tokens),
                       args.num_problems, args.difficulty, args.reward, args.dtype, args.max_prompt_tokens,
@@ -119,6 +136,7 @@ def cmd_compare(args) -> int:
     from cegppo.reporting.compare import compare_runs
 
     out = Path(args.out)
+    args.paths = [("--out", args.out), *(("run", r) for r in args.runs)]
     if out.exists() and not out.is_dir():
         raise UsageError(f"--out {out} is an existing file; give a directory (it will hold compare.png, one PNG "
                          f"per metric and summary.md)")
@@ -234,6 +252,9 @@ def main(argv: list[str] | None = None) -> int:
     except Exception as e:  # noqa: BLE001 - always one line, whatever the exception's own formatting
         if args.debug:
             raise
+        if isinstance(e, OSError) and e.filename is not None:  # the file, why, and the setting it came from
+            print(f"cegppo {args.command}: error: {describe_os_error(e, getattr(args, 'paths', []))}", file=sys.stderr)
+            return 2
         if isinstance(e, _bad_input_errors()):
             print(f"cegppo {args.command}: error: {one_line(e, limit=10_000)}", file=sys.stderr)
             return 2

@@ -7,7 +7,9 @@ config loader raises, without a cycle through :mod:`cegppo.config`.
 
 from __future__ import annotations
 
+import errno
 import math
+import os
 import re
 import reprlib
 from typing import Any
@@ -21,6 +23,84 @@ DEVICES = re.compile(r"auto|cpu|cuda(:\d+)?")
 def one_line(text: object, limit: int = 300) -> str:
     """``text`` with all whitespace runs collapsed, cut to ``limit`` characters (for one-line error messages)."""
     return " ".join(str(text).split())[:limit]
+
+
+def dangling_link(path: str | os.PathLike) -> tuple[str, str] | None:
+    """(link, its target) for the first component of ``path`` that is a symbolic link to nothing; None if none."""
+    parts = os.path.abspath(path).split(os.sep)
+    for i in range(2, len(parts) + 1):
+        probe = os.sep.join(parts[:i])
+        if os.path.islink(probe) and not os.path.exists(probe):
+            try:
+                return probe, os.readlink(probe)
+            except OSError:
+                return probe, "?"
+        if not os.path.lexists(probe):
+            return None
+    return None
+
+
+def os_error_text(e: OSError) -> str:
+    """``<file>: <what went wrong> (<ERRNO>)``: the file an OS error concerns and why, in words; a path through a
+    symbolic link to nothing is named as that link (the errno alone says "No such file" or "File exists")."""
+    code = errno.errorcode.get(e.errno, "") if e.errno is not None else ""
+    what = e.strerror or (os.strerror(e.errno) if e.errno is not None else str(e)) or type(e).__name__
+    files = [f for f in (e.filename, e.filename2) if f is not None]
+    for f in files:
+        link = dangling_link(os.fsdecode(f))
+        if link is not None:  # the errno's words ("File exists", "No such file") would mislead
+            at = "" if os.path.abspath(os.fsdecode(f)) == link[0] else f"{link[0]} is "
+            what = f"{at}a symbolic link to {link[1]!r}, which does not exist"
+            break
+    where = " -> ".join(os.fsdecode(f) for f in files)
+    return one_line(f"{where + ': ' if where else ''}{what}{f' ({code})' if code else ''}", MAX_MESSAGE_CHARS)
+
+
+def _within(path: str, root: str) -> bool:
+    """``path`` is ``root``, inside it, or inside one of the temporary siblings an output is written into before it
+    is moved into place (``.tmp-<name>-<pid>``, ``.<name>.tmp-<pid>``, ``.<name>.cegppo-lock``)."""
+    if path == root or path.startswith(root.rstrip(os.sep) + os.sep):
+        return True
+    parent, name = os.path.split(root.rstrip(os.sep))
+    rest = os.path.relpath(path, parent) if parent else path
+    first = rest.split(os.sep, 1)[0]
+    return not rest.startswith("..") and first.startswith((f".tmp-{name}-", f".{name}.tmp-", f".{name}.cegppo-lock"))
+
+
+Settings = "dict[str, str] | list[tuple[str, str]]"  # {key: path} or (key, path) pairs (a flag given twice)
+
+
+def setting_of(path: str | os.PathLike, settings: Settings) -> tuple[str, str] | None:
+    """The setting (``{key: path}``, e.g. ``{"output_dir": "runs/x"}``) whose path is ``path`` or holds it, the
+    most specific first; paths are compared as given and with symbolic links resolved."""
+    found = []
+    for key, value in (settings.items() if isinstance(settings, dict) else settings):
+        if not value:
+            continue
+        for a, b in ((os.path.abspath(path), os.path.abspath(value)),
+                     (os.path.realpath(path), os.path.realpath(value))):
+            if _within(a, b):
+                found.append((len(b), key, value))
+                break
+    return max(found)[1:] if found else None
+
+
+def describe_os_error(e: OSError, settings: Settings) -> str:
+    """One line for an OS error (a full disk, a symbolic link to nothing, an unwritable directory): the file, what
+    went wrong, and the setting it came from (``settings``: ``{key: path}``) with what to do."""
+    text = os_error_text(e)
+    files = [os.fsdecode(f) for f in (e.filename, e.filename2) if f is not None]
+    for f in files:
+        hit = setting_of(f, settings)
+        if hit is not None:
+            key, value = hit
+            return one_line(f"{text}; it is {'' if _same(f, value) else 'under '}{key} {value}: fix that, or set "
+                            f"{key} to another path", MAX_MESSAGE_CHARS)
+    return text
+
+
+def _same(a: str, b: str) -> bool:
+    return os.path.abspath(a) == os.path.abspath(b)
 
 
 class ConfigError(ValueError):

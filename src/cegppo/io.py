@@ -21,12 +21,16 @@ def cache_root() -> Path:
 
 
 def probe_writable(directory: Path) -> None:
-    """Create ``directory`` (and its parents) and write then remove a probe file in it: raises ``OSError`` now,
-    before any work, where the real writes would fail later."""
+    """Create ``directory`` (and its parents) and write then remove a probe file in it: raises ``OSError`` naming
+    the file now, before any work, where the real writes would fail later."""
     directory.mkdir(parents=True, exist_ok=True)
     probe = directory / f".write-test-{os.getpid()}"
-    probe.write_text("ok")
-    probe.unlink()
+    try:
+        probe.write_text("ok")  # a full disk fails the write, naming no file
+        probe.unlink()
+    except OSError as e:
+        probe.unlink(missing_ok=True)
+        raise named(e, probe) from None
 
 
 def fsync_dir(path: Path) -> None:

@@ -16,8 +16,9 @@ from typing import Callable, Iterator
 
 import torch
 
-from cegppo.config import (CLI_EVAL_KEYS, Config, ConfigError, check_data, check_eval_settings, check_prompt_budget,
-                           eval_limit)
+from cegppo.config import (CLI_EVAL_KEYS, Config, ConfigError, check_batch_tokens, check_data, check_eval_settings,
+                           check_prompt_budget, eval_limit)
+from cegppo.config.schema import MAX_SEQUENCES, MAX_TOKENS
 from cegppo.config.validation import MODEL_DIR_HEADROOM, check_path_fits
 from cegppo.data.evalsets import resolve_dataset
 from cegppo.data.problems import Problem, load_problems
@@ -34,6 +35,7 @@ from cegppo.engine.rundir import RunInterrupted, TrainingError
 from cegppo.engine.runlock import OutputLock
 from cegppo.engine.sft import supervised_warmup
 from cegppo.engine.trainer import Trainer
+from cegppo.errors import os_error_text
 from cegppo.io import probe_writable, read_jsonl
 from cegppo.reporting.plots import plot_run
 from cegppo.reporting.progress import Progress
@@ -255,7 +257,7 @@ def check_new_output(path: Path, key: str, *, directory: bool, headroom: int = 0
     try:
         probe_writable(path.parent)
     except OSError as e:
-        raise ConfigError(f"{key} {path}: cannot write in {path.parent}: {e.strerror or e}") from None
+        raise ConfigError(f"{key} {path}: cannot write in {path.parent}: {os_error_text(e)}") from None
 
 
 @contextmanager
@@ -364,10 +366,13 @@ def check_eval_request(req: EvalRequest) -> None:
     def whole(v: object) -> bool:
         return isinstance(v, int) and not isinstance(v, bool)
 
-    need(whole(req.batch_prompts) and req.batch_prompts >= 1, "--batch-prompts", "an integer >= 1 (prompts "
-         "generated together)", req.batch_prompts)
-    need(whole(req.max_prompt_tokens) and req.max_prompt_tokens >= 1, "--max-prompt-tokens", "an integer >= 1",
-         req.max_prompt_tokens)
+    need(whole(req.batch_prompts) and 1 <= req.batch_prompts <= MAX_SEQUENCES, "--batch-prompts",
+         f"an integer in 1..{MAX_SEQUENCES} (prompts generated together)", req.batch_prompts)
+    need(whole(req.max_prompt_tokens) and 1 <= req.max_prompt_tokens <= MAX_TOKENS, "--max-prompt-tokens",
+         f"an integer in 1..{MAX_TOKENS}", req.max_prompt_tokens)
+    check_batch_tokens([("--batch-prompts", req.batch_prompts), ("--k", req.k)],
+                       [("--max-prompt-tokens", req.max_prompt_tokens), ("--max-new-tokens", s.max_new_tokens)],
+                       "one generation batch")
     need(whole(req.difficulty) and 1 <= req.difficulty <= 5, "--difficulty", "in 1..5", req.difficulty)
     need(whole(req.seed) and 0 <= req.seed < 2**63, "--seed", "an integer >= 0", req.seed)
     need(bool(req.data), "--data", "at least one dataset, eval set or task", req.data)

@@ -10,14 +10,14 @@ from cegppo.config.loading import (MAX_BASE_DEPTH, MAX_CONFIG_BYTES, MAX_YAML_DE
 from cegppo.config.schema import (AlgorithmConfig, Config, DataConfig, EvalConfig, LoggingConfig, ModelConfig,
                                   OptimConfig, RewardConfig, RolloutConfig, SFTConfig, TrainConfig)
 from cegppo.config.validation import (CLI_EVAL_KEYS, EVAL_KEYS, GROUP_ESTIMATORS, MAX_INT, MAX_TIMEOUT_S,
-                                      check_eval_settings, check_type, eval_limit, validate)
+                                      check_batch_tokens, check_eval_settings, check_type, eval_limit, validate)
 from cegppo.errors import MAX_MESSAGE_CHARS, ConfigError, show
 
 __all__ = [
     "AlgorithmConfig", "CLI_EVAL_KEYS", "Config", "ConfigError", "DataConfig", "EVAL_KEYS", "EvalConfig",
     "GROUP_ESTIMATORS", "LoggingConfig", "MAX_BASE_DEPTH", "MAX_CONFIG_BYTES", "MAX_INT", "MAX_MESSAGE_CHARS",
     "MAX_TIMEOUT_S", "MAX_YAML_DEPTH", "MAX_YAML_NODES", "ModelConfig", "OptimConfig", "RewardConfig",
-    "RolloutConfig", "SFTConfig", "TrainConfig", "check_data", "check_eval_settings", "check_prompt_budget",
+    "RolloutConfig", "SFTConfig", "TrainConfig", "check_batch_tokens", "check_data", "check_eval_settings", "check_prompt_budget",
     "check_type", "eval_limit", "load_config", "load_yaml", "parse_overrides", "prompt_budget_cuts",
     "read_config_text", "save_config", "show", "validate",
 ]

@@ -154,6 +154,8 @@ def read_config_text(path: Path, source: str | None = None) -> str:
     """The text of a config file: at most MAX_CONFIG_BYTES, UTF-8; else a one-line ConfigError."""
     source = source or str(path)
     if not path.exists():
+        if path.is_symlink():
+            raise ConfigError(f"config file {source} is a symbolic link to {os.readlink(path)!r}, which does not exist")
         raise ConfigError(f"config file {source} does not exist")
     if not path.is_file():
         raise ConfigError(f"config file {source} is not a regular file")

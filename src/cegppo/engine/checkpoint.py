@@ -20,7 +20,7 @@ from typing import Any
 import torch
 
 from cegppo.engine.artefacts import optimizer_state_problem, sha256_file
-from cegppo.errors import show
+from cegppo.errors import os_error_text, show
 from cegppo.faults import failpoint
 from cegppo.io import fsync_dir, one_line, replace_dir
 
@@ -94,7 +94,7 @@ def save_checkpoint(
         failpoint("checkpoint-renamed", step)
     except Exception as e:  # OSError (disk full, permissions) or a serializer's own error type
         shutil.rmtree(tmp, ignore_errors=True)
-        reason = e.strerror if isinstance(e, OSError) and e.strerror else f"{type(e).__name__}: {e}"
+        reason = os_error_text(e) if isinstance(e, OSError) else f"{type(e).__name__}: {e}"  # the file, and why
         raise CheckpointError(f"could not write checkpoint {final}: {one_line(reason)} (older checkpoints are kept)") from e
     ours = [p for p in list_checkpoints(ckpt_root) if checkpoint_run_id(p) == run_id]
     for old in ours[:-keep]:

@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any, Iterator
 
 from cegppo.engine.artefacts import loading_problem, tokenizer_file_problem, vocabulary_problem
+from cegppo.errors import describe_os_error
 from cegppo.io import cache_root, one_line, replace_dir
 
 log = logging.getLogger(__name__)
@@ -275,10 +276,14 @@ def _tiny_dir() -> Path:
 
 def preset_path(name: str) -> Path:
     """Materialise a preset into the cache (first call converts/builds) and return its directory."""
-    if name == SMOLLM2:
-        return _smollm2_dir()
-    if name == TINY:
-        return _tiny_dir()
+    try:
+        if name == SMOLLM2:
+            return _smollm2_dir()
+        if name == TINY:
+            return _tiny_dir()
+    except OSError as e:  # an unwritable or full cache, a symbolic link to nothing: name the file and the setting
+        raise ModelLoadError(f"preset {name!r}: could not build it in the model cache: "
+                             f"{describe_os_error(e, {'$CEGPPO_CACHE': str(cache_root())})}") from None
     raise ValueError(f"unknown model preset {name!r}; presets: {', '.join(PRESETS)}")
 
 

@@ -22,6 +22,7 @@ from cegppo.engine import checkpoint as ckpt
 from cegppo.engine.artefacts import data_changes, data_fingerprints
 from cegppo.engine.provenance import provenance
 from cegppo.engine.runlock import RunLock, RunLockedError
+from cegppo.errors import describe_os_error
 from cegppo.io import append_jsonl, atomic_write_json, atomic_write_text, probe_writable, read_jsonl
 
 log = logging.getLogger(__name__)
@@ -131,7 +132,8 @@ class RunDir:
         try:
             probe_writable(self.path)
         except OSError as e:
-            raise TrainingError(f"output directory {self.path} is not writable: {e.strerror or e}") from None
+            raise TrainingError(f"output directory {self.path} is not writable: "
+                                f"{describe_os_error(e, {'output_dir': str(self.path)})}") from None
         try:
             self.lock = RunLock(self.path).acquire()
         except RunLockedError as e:
