@@ -24,8 +24,9 @@ EVAL = ["eval", "--model", "tiny", "--data", "arithmetic", "--num-problems", "2"
 
 
 def odd_fails(completion: str, ground_truth: str) -> bool:  # used as `--reward test_failures_counted:odd_fails`
-    odd_fails.calls = getattr(odd_fails, "calls", 0) + 1
-    if odd_fails.calls % 2:
+    # fails on golds of odd length (of the two held-out golds, 108 and 98, the first): it keeps no state, since a
+    # user's reward runs in worker processes (issue 41, class 6)
+    if len(ground_truth) % 2:
         raise ValueError("grader bug")
     return False
 
@@ -55,7 +56,6 @@ def test_eval_with_a_scorer_that_always_fails_says_so_and_exits_non_zero(tmp_pat
 
 
 def test_eval_with_some_failures_counts_them_and_succeeds(tmp_path, capsys, caplog):
-    odd_fails.calls = 0
     with caplog.at_level(logging.WARNING):
         assert main([*EVAL, "--reward", "test_failures_counted:odd_fails"]) == 0
     assert "| 1 of 2 (0) |" in capsys.readouterr().out
@@ -105,7 +105,6 @@ def test_train_stops_at_the_base_eval_when_the_scorer_fails_on_every_item(tiny_c
 
 
 def test_periodic_eval_records_failures_beside_the_accuracy(tiny_config, caplog):
-    odd_fails.calls = 0
     cfg = tiny_config(*SMALL, "reward.fn=test_failures_counted:odd_fails", "data.num_test=2", "eval.num_problems=2",
                       "eval.max_new_tokens=4", "eval.every=1", "train.steps=1", "train.save_every=0")
     with Trainer(cfg) as tr, caplog.at_level(logging.WARNING):

@@ -398,3 +398,4 @@ def run_eval(req: EvalRequest) -> EvalResult:
                         progress=progress)
     finally:
         progress.close()
+        reward.close()

@@ -245,8 +245,7 @@ class RewardFn:
         if len(completions) != len(answers):
             raise ValueError(f"{len(completions)} completions but {len(answers)} answers")
         res = RewardResult(scores=[], correct=[])
-        for i, (c, a) in enumerate(zip(completions, answers)):
-            score, ok, err, judged = self.grade_one(c, a)
+        for i, (score, ok, err, judged) in enumerate(self.grade_all(completions, answers)):
             if self.judge is not None:
                 res.answers.append(judged)
             res.scores.append(score)
@@ -259,6 +258,13 @@ class RewardFn:
                 if len(res.failure_messages) < self.max_messages:
                     res.failure_messages.append(f"item {i}: {err}"[:300])
         return res
+
+    def grade_all(self, completions: list[str], answers: list[str]) -> list[tuple]:
+        """:meth:`grade_one` of every item (a pooled reward grades them in worker processes)."""
+        return [self.grade_one(c, a) for c, a in zip(completions, answers)]
+
+    def close(self) -> None:
+        """Release what grading holds (worker processes of a pooled reward); nothing in-process."""
 
     def score_one(self, completion: str, answer: str) -> tuple[float, bool, str | None]:
         """(score, correct, failure message or None)."""
@@ -371,13 +377,18 @@ def _import_scorer(spec: str) -> Scorer:
 
 def load_reward(spec: str, **kwargs: object) -> RewardFn:
     """Build a RewardFn from "math" (= lenient, the paper's reward), "math-strict", "math-lenient" or a
-    user "module:function". kwargs go to RewardFn (correct_score, incorrect_score, timeout)."""
+    user "module:function". kwargs go to RewardFn (correct_score, incorrect_score, timeout). A user's reward is
+    graded in worker processes (:mod:`cegppo.data.reward_pool`: it cannot end, hang or change the run); the
+    built-in graders, our own code, run in-process, where they are faster."""
     if spec in ("math", "math-lenient"):
         scorer: Scorer = math_lenient
     elif spec == "math-strict":
         scorer = math_strict
     elif ":" in spec:
-        scorer = _import_scorer(spec)
+        from cegppo.data.reward_pool import PooledRewardFn
+
+        kwargs.setdefault("name", spec)
+        return PooledRewardFn(spec, _import_scorer(spec), **kwargs)  # type: ignore[arg-type]
     else:
         raise ValueError(f"unknown reward {spec!r}; expected one of {BUILTIN_SPECS} or 'module:function'")
     kwargs.setdefault("name", spec)

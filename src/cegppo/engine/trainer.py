@@ -102,8 +102,10 @@ class Trainer:
             self.run.record_changes(self.state["step"], changes, cfg, run_id)
 
     def close(self) -> None:
-        """Release the run directory's lock (idempotent)."""
+        """Release the run directory's lock and the reward's worker processes (idempotent)."""
         self.run.close()
+        if hasattr(self, "reward_fn"):
+            self.reward_fn.close()
 
     def __enter__(self) -> Trainer:
         return self
