@@ -216,7 +216,7 @@ def test_malicious_optimizer_state_is_refused(tiny_config, tmp_path):
         opt = path / "optimizer.pt"
         torch.save({"state": {0: _Exploit(marker)}, "param_groups": []}, opt)
         manifest = json.loads((path / ckpt.MANIFEST).read_text())  # a consistent manifest: only unpickling catches it
-        manifest["files"]["optimizer.pt"] = {"bytes": opt.stat().st_size, "sha256": ckpt._sha256(opt)}
+        manifest["files"]["optimizer.pt"] = {"bytes": opt.stat().st_size, "sha256": ckpt.sha256_file(opt)}
         (path / ckpt.MANIFEST).write_text(json.dumps(manifest))
         assert ckpt.verify_checkpoint(path) is None
         with pytest.raises(CheckpointError, match=r"optimizer\.pt: refused to load \(UnpicklingError"):
