@@ -284,6 +284,9 @@ def plot(result: dict, out: Path) -> None:
             xs = range(1, len(mean) + 1)
             ax.plot(xs, mean, label=m)
             ax.fill_between(xs, [a - b for a, b in zip(mean, se)], [a + b for a, b in zip(mean, se)], alpha=0.2)
+    for r in result["pilot"]:  # the pilot's GRPO runs, one per learning rate
+        ax.plot(range(1, len(r["steps"]["entropy"]) + 1), r["steps"]["entropy"], ls=":",
+                label=f"pilot: GRPO lr {r['lr']:g}, seed {r['seed']}")
     ax.set_xlabel("step")
     ax.set_ylabel("token entropy of the rollouts (mean ± SE over seeds)")
     ax.legend()
