@@ -54,3 +54,16 @@ def tiny_config(tmp_path):
         return load_config(example_config("tiny"), base + list(overrides))
 
     return make
+
+
+@pytest.fixture
+def no_model(monkeypatch):
+    """Any model load fails the test: a refusal must come before the model is built."""
+    from cegppo import recipes
+    from cegppo.engine import trainer
+
+    def refuse(*a, **k):
+        raise AssertionError("a model was loaded before the refusal")
+
+    monkeypatch.setattr(recipes, "build_policy", refuse)
+    monkeypatch.setattr(trainer, "build_policy", refuse)

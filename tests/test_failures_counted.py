@@ -16,6 +16,7 @@ from cegppo.engine.evaluation import evaluate
 from cegppo.engine.trainer import Trainer, TrainingError
 from cegppo.io import read_jsonl
 from cegppo.recipes import NO_UPDATE_WARN_STEPS, run_training, train_loop
+from fixtures.cli import error_line
 
 SMALL = ("train.prompts_per_step=2", "train.mini_batches=1", "rollout.n=2", "rollout.max_new_tokens=8",
          "data.num_train=8")
@@ -33,11 +34,6 @@ def odd_fails(completion: str, ground_truth: str) -> bool:  # used as `--reward 
 
 def never(completion: str, ground_truth: str) -> bool:
     return False
-
-
-def error_line(err: str) -> str:
-    (line,) = [x for x in err.splitlines() if x.startswith("cegppo ")]
-    return line
 
 
 def test_eval_with_a_scorer_that_always_fails_says_so_and_exits_non_zero(tmp_path, capsys):

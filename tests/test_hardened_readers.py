@@ -10,16 +10,12 @@ import pytest
 from cegppo.cli import main
 from cegppo.engine.rundir import RunDir
 from cegppo.io import read_jsonl
+from fixtures.cli import error_line
 
 # a 6-level alias bomb: 9**6 (half a million) nodes from a file of about 300 bytes
 LAUGHS = "a: &a [x,x,x,x,x,x,x,x,x]\n" + "".join(
     f"{c}: &{c} [{', '.join(['*' + p] * 9)}]\n" for p, c in zip("abcde", "bcdef"))
 GOOD_ROW = '{"step": 1, "entropy": 1.0, "reward/mean": 0.1}\n'
-
-
-def error_line(err: str) -> str:
-    (line,) = [x for x in err.splitlines() if x.startswith("cegppo ")]
-    return line
 
 
 CASES = {

@@ -10,26 +10,11 @@ from pathlib import Path
 
 import pytest
 
-import cegppo.engine.trainer as trainer_module
-import cegppo.recipes as recipes
 from cegppo.cli import example_config, main
 from cegppo.config import ConfigError, load_config
+from fixtures.cli import error_line
 
 CLI = ["tiny", "reward.fn=fixtures.rewards:digit_overlap", "logging.progress=false", "data.num_test=0"]
-
-
-def error_line(err: str) -> str:
-    (line,) = [x for x in err.splitlines() if x.startswith("cegppo ")]
-    return line
-
-
-@pytest.fixture
-def no_model(monkeypatch):
-    def refuse(*a, **k):
-        raise AssertionError("a model was loaded before the setting was checked")
-
-    monkeypatch.setattr(recipes, "build_policy", refuse)
-    monkeypatch.setattr(trainer_module, "build_policy", refuse)
 
 
 @pytest.mark.parametrize("override,says", [

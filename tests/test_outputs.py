@@ -14,24 +14,11 @@ from cegppo.config.validation import RUN_PATH_HEADROOM
 from cegppo.engine.rundir import RUN_FILES
 from cegppo.engine.trainer import Trainer, TrainingError
 from cegppo.recipes import train_loop
+from fixtures.cli import error_line
 
 SMALL = ("train.prompts_per_step=2", "train.mini_batches=1", "rollout.n=2", "rollout.max_new_tokens=8",
          "data.num_train=8", "data.num_test=0")
 CLI = ["tiny", "reward.fn=fixtures.rewards:digit_overlap", "logging.progress=false", *SMALL]
-
-
-def error_line(err: str) -> str:
-    (line,) = [x for x in err.splitlines() if x.startswith("cegppo ")]
-    return line
-
-
-@pytest.fixture
-def no_model(monkeypatch):
-    """Any model load fails the test: the refusals below must come before it."""
-    def refuse(*a, **k):
-        raise AssertionError("a model was loaded before the output was checked")
-
-    monkeypatch.setattr(recipes, "build_policy", refuse)
 
 
 def snapshot(d: Path) -> dict:

@@ -13,11 +13,11 @@ from pathlib import Path
 
 import pytest
 
-import cegppo.recipes as recipes
 import cegppo.reporting.compare as compare
 from cegppo.cli import main
 from cegppo.engine.runlock import OUTPUT_LOCK_SUFFIX, OutputInUseError, OutputLock
 from cegppo.io import create_new_file
+from fixtures.cli import error_line
 
 ROOT = Path(__file__).resolve().parents[1]
 TESTS = ROOT / "tests"
@@ -27,11 +27,6 @@ def env() -> dict:
     e = {k: v for k, v in os.environ.items() if k != "CEGPPO_FAILPOINT"}
     e["PYTHONPATH"] = os.pathsep.join([str(TESTS), str(ROOT / "src")] + ([e["PYTHONPATH"]] if e.get("PYTHONPATH") else []))
     return e
-
-
-def error_line(err: str) -> str:
-    (line,) = [x for x in err.splitlines() if x.startswith("cegppo ")]
-    return line
 
 
 def lock_of(path: Path) -> Path:
@@ -58,14 +53,6 @@ class Holder:
     def stop(self) -> None:
         self.proc.stdin.close()
         self.proc.wait(timeout=60)
-
-
-@pytest.fixture
-def no_model(monkeypatch):
-    def refuse(*a, **k):
-        raise AssertionError("a model was loaded while another command held the output")
-
-    monkeypatch.setattr(recipes, "build_policy", refuse)
 
 
 def make_runs(tmp_path: Path) -> list[str]:
