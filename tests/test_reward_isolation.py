@@ -55,6 +55,7 @@ def meddles(c, g):
 RUN = '''
 import json, os, signal, sys
 sys.path.insert(0, sys.argv[1])
+signal.signal(signal.SIGINT, signal.default_int_handler)  # whatever the launcher left (a background job: ignored)
 from cegppo.data.rewards import load_reward
 r = load_reward(sys.argv[2], timeout=float(sys.argv[3]), incorrect_score=0.0)
 res = r(json.loads(sys.argv[4]), json.loads(sys.argv[5]))
