@@ -39,7 +39,7 @@ import time
 from pathlib import Path
 
 from common import RESULTS, command, load_now, provenance, provenance_line, write_results
-from common.entropy import METHODS, mean_sem, trainer_overrides, write_problems
+from common.entropy import METHODS, cell_key as key, mean_sem, per_step, trainer_overrides, write_problems
 
 PAPER_METHODS = ("GRPO", "DAPO", "CE-GPPO(0.5,1)", "CE-GPPO(0.75,1)")
 SHARE_MAX, FALL, RISE, HOLD, SATURATED = 0.03, 0.70, 1.30, 0.15, 0.9
@@ -162,7 +162,7 @@ def run_one(cell: dict, sz: dict, out: Path, data_dir: Path, device: str, pilot:
 
     def watch(tr, row) -> None:
         if pilot and row["step"] == 10:
-            share = beta_share(dict(steps=_steps(read_jsonl(tr.run.metrics))))
+            share = beta_share(dict(steps=per_step(read_jsonl(tr.run.metrics), KEEP)))
             if share > SHARE_MAX:
                 raise Stop(f"beta-region share {share:.3f} > {SHARE_MAX} over the first 10 steps: too large a step")
 
@@ -180,15 +180,7 @@ def run_one(cell: dict, sz: dict, out: Path, data_dir: Path, device: str, pilot:
     atomic_write_json(sessions_file, [*sessions, session])
     rows = read_jsonl(run_dir / "metrics.jsonl")
     evals = {str(r["step"]): r["accuracy"] for r in read_jsonl(run_dir / "eval.jsonl") if r.get("tag") == "periodic"}
-    return dict(cell, steps=_steps(rows), evals=evals, stopped=stopped, sessions=[*sessions, session])
-
-
-def _steps(rows: list[dict]) -> dict[str, list]:
-    return {k: [r.get(k) for r in rows] for k in KEEP}
-
-
-def key(c: dict) -> str:
-    return f"{c['method']}|{c['lr']:g}|{c['seed']}"
+    return dict(cell, steps=per_step(rows, KEEP), evals=evals, stopped=stopped, sessions=[*sessions, session])
 
 
 def run(args, out: Path) -> dict:

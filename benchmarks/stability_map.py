@@ -29,7 +29,7 @@ import time
 from pathlib import Path
 
 from common import RESULTS, command, load_now, provenance, provenance_line, write_results
-from common.entropy import METHODS, mean_sem, trainer_overrides, write_problems
+from common.entropy import METHODS, cell_key as key, mean_sem, per_step, trainer_overrides, write_problems
 
 COLLAPSE_ACCURACY = 0.2  # final held-out accuracy below this: collapsed (with the guard's findings)
 KEEP = ("reward/mean", "reward/accuracy", "entropy", "response_length/mean", "response_length/clip_ratio",
@@ -67,7 +67,7 @@ def worker(cell: dict, sz: dict, device: str, data_dir: Path, run_dir: Path, thr
         final = log_eval(tr, "final", held_out_eval(tr))["accuracy"]
     rows = read_jsonl(run_dir / "metrics.jsonl")
     first_flag = next((r["step"] for r in rows if r.get("collapse/flag")), None)
-    return dict(cell, steps={k: [r.get(k) for r in rows] for k in KEEP}, base_accuracy=base, final_accuracy=final,
+    return dict(cell, steps=per_step(rows, KEEP), base_accuracy=base, final_accuracy=final,
                 guard=findings, guard_first_step=first_flag, collapsed=collapsed(findings, final),
                 wall_s=time.perf_counter() - t0, provenance=dict(made, load_1min_end=load_now()))
 
@@ -100,10 +100,6 @@ def cells(args) -> list[dict]:
     methods = args.methods or (["GRPO", "CE-GPPO(0.75,1)"] if args.quick else list(METHODS))
     lrs = [1e-5] if args.quick else args.lrs
     return [dict(method=m, lr=lr, seed=s) for lr in lrs for m in methods for s in (args.seeds if not args.quick else [0])]
-
-
-def key(c: dict) -> str:
-    return f"{c['method']}|{c['lr']:g}|{c['seed']}"
 
 
 def run_all(args, out: Path) -> dict:

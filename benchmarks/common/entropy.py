@@ -38,6 +38,16 @@ METHODS = {
 }
 
 
+def cell_key(c: dict) -> str:
+    """One run of a method x learning rate x seed grid (stability_map, small_steps): its key in the records."""
+    return f"{c['method']}|{c['lr']:g}|{c['seed']}"
+
+
+def per_step(rows: list[dict], keys: tuple[str, ...]) -> dict[str, list]:
+    """``{key: [its value at each metrics row, None where absent]}``: what a record keeps of a run's steps."""
+    return {k: [r.get(k) for r in rows] for k in keys}
+
+
 def addition_problems(lo: int, hi: int, seed: int) -> tuple[list[Problem], list[Problem]]:
     """All a + b with a, b in [lo, hi], split 3:1 into train / held-out by a seeded shuffle (disjoint)."""
     pairs = [(a, b) for a in range(lo, hi + 1) for b in range(lo, hi + 1)]

@@ -85,19 +85,19 @@ def create_new_file(path: str | Path, data: bytes) -> None:
     fsynced, then hard-linked into place, which fails (``FileExistsError`` naming ``path``) where ``os.replace`` would
     silently replace a file that appeared meanwhile. A reader never sees a half-written file."""
     path = Path(path)
+    appeared = FileExistsError(errno.EEXIST, "created by something else while this command ran; not overwritten",
+                               str(path))
     tmp = _write_temp(path, data)
     try:
         try:
             os.link(tmp, path)
         except FileExistsError:
-            raise FileExistsError(errno.EEXIST, "created by something else while this command ran; not "
-                                  "overwritten", str(path)) from None
+            raise appeared from None
         except OSError as e:
             if e.errno not in _NO_LINKS:
                 raise named(e, path) from None
             if os.path.lexists(path):  # no hard links here: check, then rename (the output's claim guards the gap)
-                raise FileExistsError(errno.EEXIST, "created by something else while this command ran; not "
-                                      "overwritten", str(path)) from None
+                raise appeared from None
             os.rename(tmp, path)
     finally:
         tmp.unlink(missing_ok=True)

@@ -9,7 +9,7 @@ import os
 import resource
 import shutil
 import time
-from contextlib import ExitStack, contextmanager
+from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Callable, Iterator
@@ -32,7 +32,7 @@ from cegppo.engine.precision import resolve_device, resolve_dtype, resolve_preci
 from cegppo.engine.provenance import machine
 from cegppo.engine.rollout import HFGenerator, Sampling
 from cegppo.engine.rundir import RunInterrupted, TrainingError
-from cegppo.engine.runlock import OutputLock
+from cegppo.engine.runlock import claim_outputs
 from cegppo.engine.sft import supervised_warmup
 from cegppo.engine.trainer import Trainer
 from cegppo.errors import os_error_text
@@ -266,13 +266,11 @@ def new_outputs(paths: list[Path], key: str, *, directory: bool, headroom: int =
     """Hold an exclusive claim on each new output in ``paths`` (:class:`OutputLock`) for the ``with`` block: each is
     checked as :func:`check_new_output` says, claimed, then checked again (a command holding the claim until just now
     may have written it). A second command with the same output is refused, naming the path and the holder."""
-    for path in paths:
-        check_new_output(path, key, directory=directory, headroom=headroom, inputs=inputs)
-    with ExitStack() as stack:
-        for path in paths:
-            stack.enter_context(OutputLock(path, key))
+    def check() -> None:
         for path in paths:
             check_new_output(path, key, directory=directory, headroom=headroom, inputs=inputs)
+
+    with claim_outputs(paths, key, check):
         yield
 
 

@@ -340,7 +340,8 @@ class RunDir:
                      ", ".join(f"{k} {_fmt(a)} -> {_fmt(b)}" for k, a, b in changes))
         if not (self.path / "config.yaml").exists():
             self.save_config(cfg)
-        record = self.read_record()
+        before = self.read_record()
+        record = dict(before)
         if record.get("run_id") != run_id:  # missing, or the checkpoint was brought from elsewhere: its id wins
             record = {"run_id": run_id, "started": None, "files": list(RUN_FILES), **self.provenance}
         if record.get("data") != self.data:  # first fingerprinted, or a change accepted (--accept-data-change)
@@ -348,7 +349,7 @@ class RunDir:
                 record["data_changes"] = [*record.get("data_changes", []), {"step": step, "time": now, "old": record[
                     "data"], "new": self.data}]
             record["data"] = self.data
-        if record != self.read_record():
+        if record != before:
             atomic_write_json(self.path / RUN_RECORD, record)
 
     def truncate_logs(self, step: int, resumed: bool) -> None:

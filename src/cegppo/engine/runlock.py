@@ -25,8 +25,10 @@ import socket
 import sys
 import threading
 import weakref
+from contextlib import ExitStack, contextmanager
 from datetime import datetime, timezone
 from pathlib import Path
+from typing import Callable, Iterator
 
 from filelock import FileLock, Timeout
 
@@ -72,6 +74,12 @@ def describe_owner(owner: dict | None) -> str:
     return f"pid {owner.get('pid')} on {owner.get('host')}, since {owner.get('since')}"
 
 
+def holder_record() -> dict:
+    """Who holds a lock: this process, its host, since when, and its command line."""
+    return {"pid": os.getpid(), "host": socket.gethostname(),
+            "since": datetime.now(timezone.utc).isoformat(timespec="seconds"), "command": " ".join(sys.argv)[:500]}
+
+
 def _release(key: str) -> None:
     with _mutex:
         entry = _held.get(key)
@@ -92,7 +100,32 @@ def _release(key: str) -> None:
             lock.release(force=True)
 
 
-class RunLock:
+class _Held:
+    """A lock object whose release is a ``weakref.finalize`` (run once: by ``release()``, on garbage collection, or
+    at interpreter exit); ``acquire()`` is the subclass's."""
+
+    _finalizer: weakref.finalize | None = None
+
+    def acquire(self):  # pragma: no cover - each subclass takes its own lock
+        raise NotImplementedError
+
+    @property
+    def held(self) -> bool:
+        return self._finalizer is not None and self._finalizer.alive
+
+    def release(self) -> None:
+        if self._finalizer is not None:
+            self._finalizer()
+            self._finalizer = None
+
+    def __enter__(self):
+        return self.acquire()
+
+    def __exit__(self, *exc) -> None:
+        self.release()
+
+
+class RunLock(_Held):
     """``RunLock(run).acquire()`` takes the run's lock or raises :class:`RunLockedError`; ``release()`` (also run
     when the object is garbage-collected or the interpreter exits) gives it back."""
 
@@ -100,10 +133,6 @@ class RunLock:
         self.run = Path(run)
         self.key = str(self.run.resolve())
         self._finalizer: weakref.finalize | None = None
-
-    @property
-    def held(self) -> bool:
-        return self._finalizer is not None and self._finalizer.alive
 
     def acquire(self) -> RunLock:
         if self.held:
@@ -140,22 +169,8 @@ class RunLock:
             else:
                 log.warning("%s: reclaimed the lock of process %s on %s (since %s), which no longer holds it",
                             self.run, pid, previous.get("host"), previous.get("since"))
-        atomic_write_json(Path(self.key) / OWNER_FILE, {
-            "pid": os.getpid(), "host": host,
-            "since": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-            "command": " ".join(sys.argv)[:500],
-        })
+        atomic_write_json(Path(self.key) / OWNER_FILE, holder_record())
 
-    def release(self) -> None:
-        if self._finalizer is not None:
-            self._finalizer()  # runs _release once
-            self._finalizer = None
-
-    def __enter__(self) -> RunLock:
-        return self.acquire()
-
-    def __exit__(self, *exc) -> None:
-        self.release()
 
 
 # ---------------------------------------------------------------------------------------------------- outputs
@@ -180,7 +195,7 @@ def _drop_output_lock(fd: int, lock_path: str) -> None:
         os.close(fd)  # drops the flock
 
 
-class OutputLock:
+class OutputLock(_Held):
     """An exclusive claim on a path a command creates (a file or a directory), held from the check that it is new
     until it is written. The lock is a ``flock`` on a hidden sibling, ``.<name>.cegppo-lock`` (beside the output,
     never in it: an output directory must be new or empty), which holds the holder's record and is removed on
@@ -192,10 +207,6 @@ class OutputLock:
         self.key = key
         self.lock_path = str(self.path.parent / f".{self.path.name}{OUTPUT_LOCK_SUFFIX}")
         self._finalizer: weakref.finalize | None = None
-
-    @property
-    def held(self) -> bool:
-        return self._finalizer is not None and self._finalizer.alive
 
     def _holder(self) -> dict | None:
         try:
@@ -233,9 +244,7 @@ class OutputLock:
             if previous and previous.get("pid") != os.getpid():  # its process died holding it (the OS unlocked it)
                 log.warning("%s %s: took over the claim of process %s on %s (since %s), which no longer holds it",
                             self.key, self.path, previous.get("pid"), previous.get("host"), previous.get("since"))
-            record = json.dumps({"pid": os.getpid(), "host": socket.gethostname(),
-                                 "since": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-                                 "command": " ".join(sys.argv)[:500]}).encode()
+            record = json.dumps(holder_record()).encode()
             os.ftruncate(fd, 0)
             os.pwrite(fd, record, 0)
         except BaseException:
@@ -244,13 +253,16 @@ class OutputLock:
         self._finalizer = weakref.finalize(self, _drop_output_lock, fd, self.lock_path)
         return self
 
-    def release(self) -> None:
-        if self._finalizer is not None:
-            self._finalizer()
-            self._finalizer = None
 
-    def __enter__(self) -> OutputLock:
-        return self.acquire()
 
-    def __exit__(self, *exc) -> None:
-        self.release()
+@contextmanager
+def claim_outputs(paths: list[Path], key: str, check: Callable[[], None]) -> Iterator[None]:
+    """Hold an :class:`OutputLock` on each new output in ``paths`` for the ``with`` block: ``check()`` (that they
+    may be written) runs before the claim and again under it, since the command that held the claim until just now
+    may have written them."""
+    check()
+    with ExitStack() as stack:
+        for path in paths:
+            stack.enter_context(OutputLock(path, key))
+        check()
+        yield

@@ -8,7 +8,7 @@ import shutil
 from pathlib import Path
 
 from cegppo.algorithm.diagnostics import QUADRANTS
-from cegppo.engine.runlock import OutputLock
+from cegppo.engine.runlock import claim_outputs
 from cegppo.io import atomic_write_text, create_new_file, fsync_dir
 from cegppo.reporting.plots import (
     ACCURACY_LABEL, BETA_KEYS, BETA_LABEL, ENTROPY_LABEL, EVAL_TAGS, PERCENT_LABEL, REWARD_LABEL, TAG_MARKERS, Run,
@@ -112,10 +112,12 @@ def compare_runs(runs: list[Path], out: Path) -> list[Path]:
     for r in runs:
         if not (r / "metrics.jsonl").is_file():
             raise FileNotFoundError(f"{r} is not a cegppo run directory (no metrics.jsonl)")
-    check_output(runs, out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    with OutputLock(out, "--out"):
-        check_output(runs, out)  # again: the command that held the claim until now may have written it
+
+    def check() -> None:
+        check_output(runs, out)
+        out.parent.mkdir(parents=True, exist_ok=True)  # where the claim's lock file goes
+
+    with claim_outputs([out], "--out", check):
         loaded = [Run.load(r) for r in runs]
         tmp = out.parent / f".tmp-{out.name}-{os.getpid()}"
         tmp.mkdir()
