@@ -200,7 +200,7 @@ def _mean(key: str, r: dict) -> float:
 
 
 def summarize(runs: list[dict]) -> list[dict]:
-    """One row per (lr, method): seeds, collapses, and means over seeds (± SE for accuracy, KL and beta1 share)."""
+    """One row per (lr, method): seeds, collapses, and means over seeds (± SE for accuracy, KL and region shares)."""
     out = []
     for lr in sorted({r["lr"] for r in runs}):
         for m in METHODS:
@@ -210,6 +210,7 @@ def summarize(runs: list[dict]) -> list[dict]:
                                 acc=mean_sem([r["final_accuracy"] for r in rs]),
                                 kl=mean_sem([_mean("mb_last/ppo_kl", r) for r in rs]),
                                 beta1_share=mean_sem([_mean("mb_last/clip/low_frac", r) for r in rs]),
+                                beta2_share=mean_sem([_mean("mb_last/clip/high_frac", r) for r in rs]),
                                 entropy=(mean_sem([r["steps"]["entropy"][0] or 0 for r in rs])[0],
                                          mean_sem([_last("entropy", r) for r in rs])[0]),
                                 length=mean_sem([_last("response_length/mean", r) for r in rs])[0],
@@ -225,12 +226,24 @@ def report(result: dict) -> str:
              f"Setting: {json.dumps(result['settings'])}.\n",
              f"Collapse (fixed before the runs): {result['settings']['collapse']}.\n",
              "| method | lr | seeds | collapsed | held-out accuracy (mean ± SE) | KL(old‖new), last mini-batch, mean over "
-             "steps | beta1-region share, last mini-batch | entropy first -> last | final length | wall s |",
+             "steps | beta1 / beta2-region share, last mini-batch | entropy first -> last | final length | wall s |",
              "|---|---|---|---|---|---|---|---|---|---|"]
     for s in summary:
         lines.append(f"| {s['method']} | {s['lr']:g} | {s['seeds']} | {s['collapsed']}/{s['seeds']} | "
-                     f"{s['acc'][0]:.3f} ± {s['acc'][1]:.3f} | {s['kl'][0]:.3f} | {s['beta1_share'][0]:.3f} | "
-                     f"{s['entropy'][0]:.2f} -> {s['entropy'][1]:.2f} | {s['length']:.1f} | {s['wall']:.0f} |")
+                     f"{s['acc'][0]:.3f} ± {s['acc'][1]:.3f} | {s['kl'][0]:.3f} | {s['beta1_share'][0]:.3f} / "
+                     f"{s['beta2_share'][0]:.3f} | {s['entropy'][0]:.2f} -> {s['entropy'][1]:.2f} | {s['length']:.1f} | "
+                     f"{s['wall']:.0f} |")
+    lines += ["\nThe step sizes, measured (GRPO's cells: its clip keeps PPO's trust region, so its last mini-batch's KL and "
+              "region shares measure the step itself; all cells for comparison):\n",
+              "| lr | GRPO seeds | GRPO KL(old‖new) | GRPO beta1 / beta2-region share | all cells | all cells' KL |",
+              "|---|---|---|---|---|---|"]
+    for lr in sorted({s["lr"] for s in summary}):
+        grpo = [r for r in result["runs"] if r["lr"] == lr and r["method"] == "GRPO"]
+        every = [r for r in result["runs"] if r["lr"] == lr]
+        kl, b1, b2 = (mean_sem([_mean(k, r) for r in grpo])
+                      for k in ("mb_last/ppo_kl", "mb_last/clip/low_frac", "mb_last/clip/high_frac"))
+        lines.append(f"| {lr:g} | {len(grpo)} | {kl[0]:.4f} ± {kl[1]:.4f} | {b1[0]:.3f} / {b2[0]:.3f} | {len(every)} | "
+                     f"{mean_sem([_mean('mb_last/ppo_kl', r) for r in every])[0]:.4f} |")
     lines.append("\nLargest learning rate with no collapse at any seed (among those run):\n")
     for m in METHODS:
         rows = [s for s in summary if s["method"] == m]

@@ -34,6 +34,23 @@ def test_collapse_definition_and_largest_safe_step():
     assert "- GRPO: 5e-05" in text and "- CE-GPPO(0.75,1): 3e-06" in text
 
 
+def test_the_step_axis_is_measured_on_grpo_per_level():
+    """Each learning rate's row gives GRPO's mean last-mini-batch KL and beta1 / beta2 shares (not other methods')."""
+    runs = []
+    for lr, kl in ((3e-6, 0.001), (5e-5, 0.02)):
+        for s in range(2):
+            r = record("GRPO", lr, s, 0.8)
+            r["steps"].update({"mb_last/ppo_kl": [kl] * 10, "mb_last/clip/low_frac": [kl * 2] * 10,
+                               "mb_last/clip/high_frac": [kl * 3] * 10})
+            runs.append(r)
+    runs.append(record("CE-GPPO(0.75,1)", 5e-5, 0, 0.8))  # its KL 0.1 stays out of GRPO's column
+    text = sm.report(dict(runs=runs, command="x", commit="c", date="d", settings={"collapse": "c"}, machine={},
+                          precision="fp32"))
+    assert "| 3e-06 | 2 | 0.0010 ± 0.0000 | 0.002 / 0.003 | 2 | 0.0010 |" in text
+    assert "| 5e-05 | 2 | 0.0200 ± 0.0000 | 0.040 / 0.060 | 3 | 0.0467 |" in text
+    assert "| GRPO | 5e-05 | 2 | 0/2 | 0.800 ± 0.000 | 0.020 | 0.040 / 0.060 |" in text
+
+
 def test_quick_mode_runs(tmp_path):
     proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "stability_map.py"), "--quick", "--out",
                            str(tmp_path)], capture_output=True, text=True, timeout=600)
