@@ -26,6 +26,9 @@ second (trained = response tokens that entered the loss); the split into generat
 peak RSS, and the peak in each phase (where the memory goes); and the ratios cegppo / TRL. The mean response lengths are printed side by side: both systems did the
 same work only if they are close. Writes ``step_throughput.{json,md}`` to ``--out`` (with the git commit, the
 command, the date and the machine: CPU model and ISA, precision, load).
+
+One file of some 450 lines on purpose: the two systems' workers sit beside each other, so that a reader can check line
+by line that both arms do the same work (the memory sampler lives in ``common/measure.py``).
 """
 
 from __future__ import annotations
@@ -42,7 +45,7 @@ import time
 from pathlib import Path
 
 from common import RESULTS, ROOT, command, provenance, provenance_line, quick_out, write_results
-from common.measure import problems_in_order
+from common.measure import PhaseRSS, problems_in_order
 
 SYSTEMS = ("cegppo", "trl")  # the kinds of worker
 # environment variables that change what is measured (the allocator, threads, vLLM's KV cache), recorded with it
@@ -79,52 +82,6 @@ def peak_memory(s: dict) -> dict:
 
         out["peak_gpu_gib"] = torch.cuda.max_memory_reserved() / 2 ** 30
     return out
-
-
-class PhaseRSS:
-    """Where the peak memory is reached: a thread samples the resident set every 20 ms and keeps the highest value
-    seen in each phase the worker is in (``phase`` is set by the worker's timing wrappers). ``heap=True`` (glibc):
-    at each phase's peak it also reads ``mallinfo2``, how much of the heap malloc has handed out (in use) and how
-    much it keeps free but resident (what allocator fragmentation costs)."""
-
-    def __init__(self, heap: bool = False) -> None:
-        import threading
-
-        self.phase, self.peak, self.heap = "load", {}, {}
-        self.page = os.sysconf("SC_PAGE_SIZE")
-        self.mallinfo2 = _mallinfo2() if heap else None
-        threading.Thread(target=self._sample, daemon=True).start()
-
-    def _sample(self) -> None:
-        while True:
-            with open("/proc/self/statm") as f:
-                rss = int(f.read().split()[1]) * self.page / 2 ** 30
-            phase = self.phase
-            if rss > self.peak.get(phase, 0.0):
-                self.peak[phase] = rss
-                if self.mallinfo2 is not None:
-                    m = self.mallinfo2()
-                    self.heap[phase] = {"in_use": (m.uordblks + m.hblkhd) / 2 ** 30, "free": m.fordblks / 2 ** 30}
-            time.sleep(0.02)
-
-    def result(self) -> dict:
-        out = {"phase_peak_rss_gib": {k: round(v, 3) for k, v in self.peak.items()}}
-        if self.mallinfo2 is not None:
-            out["phase_heap_gib"] = {k: {a: round(b, 3) for a, b in v.items()} for k, v in self.heap.items()}
-        return out
-
-
-def _mallinfo2():
-    """glibc's ``mallinfo2`` (2.33+) through ctypes: the heap's bytes in use and free, over every arena."""
-    import ctypes
-
-    class MallInfo2(ctypes.Structure):
-        _fields_ = [(n, ctypes.c_size_t) for n in ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks",
-                                                    "fsmblks", "uordblks", "fordblks", "keepcost")]
-
-    fn = ctypes.CDLL("libc.so.6").mallinfo2
-    fn.restype = MallInfo2
-    return fn
 
 
 # ---------------------------------------------------------------------------------------------------------
