@@ -43,6 +43,7 @@ from common.entropy import METHODS, cell_key as key, mean_sem, per_step, trainer
 
 PAPER_METHODS = ("GRPO", "DAPO", "CE-GPPO(0.5,1)", "CE-GPPO(0.75,1)")
 SHARE_MAX, FALL, RISE, HOLD, SATURATED = 0.03, 0.70, 1.30, 0.15, 0.9
+MIN_SEEDS = 3  # per method; with fewer, the report marks every verdict provisional
 KEEP = ("entropy", "reward/mean", "reward/accuracy", "mb_last/clip/low_frac", "mb_last/clip/high_frac",
         "mb_last/ppo_kl", "response_length/mean", "response_length/clip_ratio", "time/step_s")
 
@@ -247,8 +248,13 @@ def report(result: dict) -> str:
             if s["seeds"]:
                 lines.append(f"| {m} | {s['seeds']} | {_pm(s['final_ratio'])} | {_pm(s['max_dev'])} | "
                              f"{_pm(s['accuracy'])} |")
-        lines += ["\n## Verdicts\n"] + [f"- {name}: **{'MET' if v['met'] else 'NOT MET'}** ({v['why']})"
-                                        for name, v in verdicts(result["runs"]).items()]
+        seeds = {m: method_stats(result["runs"], m)["seeds"] for m in PAPER_METHODS}
+        short = min(seeds.values()) < MIN_SEEDS
+        lines += ["\n## Verdicts\n"] + ([f"**Provisional**: the rules ask for >= {MIN_SEEDS} seeds per method; these "
+                                          f"stand on {', '.join(f'{m} {n}' for m, n in seeds.items())}.\n"]
+                                         if short else [])
+        lines += [f"- {name}: **{'MET' if v['met'] else 'NOT MET'}{' (provisional)' if short else ''}** ({v['why']})"
+                  for name, v in verdicts(result["runs"]).items()]
     return "\n".join(lines) + "\n"
 
 

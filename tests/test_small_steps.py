@@ -53,6 +53,11 @@ def test_verdict_rules_on_known_records():
     text = ss.report(dict(runs=runs, pilot=[runs[0]], command="x", commit="c", date="d", machine={}, precision="fp32",
                           settings={}))
     assert "- GRPO falls: **MET**" in text and "- CE-GPPO(0.75,1) holds: **NOT MET**" in text
+    assert "rovisional" not in text
+    short = ss.report(dict(runs=runs[:7], pilot=[], command="x", commit="c", date="d", machine={}, precision="fp32",
+                           settings={}))  # CE-GPPO(0.5,1) 1 seed, (0.75,1) none: every verdict provisional
+    assert "stand on GRPO 3, DAPO 3, CE-GPPO(0.5,1) 1, CE-GPPO(0.75,1) 0" in short
+    assert "- GRPO falls: **MET (provisional)**" in short and "**MET**" not in short
 
 
 def test_quick_mode_killed_mid_run_continues_from_its_records(tmp_path):
