@@ -32,6 +32,7 @@ from common import RESULTS, command, load_now, provenance, provenance_line, writ
 from common.entropy import METHODS, cell_key as key, mean_sem, per_step, trainer_overrides, write_problems
 
 COLLAPSE_ACCURACY = 0.2  # final held-out accuracy below this: collapsed (with the guard's findings)
+MIN_SEEDS = 3  # per cell; the report lists the cells with fewer as provisional
 KEEP = ("reward/mean", "reward/accuracy", "entropy", "response_length/mean", "response_length/clip_ratio",
         "mb_last/ppo_kl", "mb_last/clip/low_frac", "mb_last/clip/high_frac", "grad_norm", "collapse/flag",
         "train/kl_stopped_at")
@@ -250,6 +251,9 @@ def report(result: dict) -> str:
         if rows:
             ok = [s["lr"] for s in rows if s["collapsed"] == 0]
             lines.append(f"- {m}: {max(ok):g}" if ok else f"- {m}: none of {[s['lr'] for s in rows]}")
+    few = [f"{s['method']} at {s['lr']:g} ({s['seeds']})" for s in summary if s["seeds"] < MIN_SEEDS]
+    if few:
+        lines.append(f"\nProvisional, fewer than {MIN_SEEDS} seeds (seeds run): {', '.join(few)}.")
     if result.get("pending"):
         lines.append(f"\nNot run (budget): {len(result['pending'])} cells: {', '.join(result['pending'])}.")
     guard = [f"- {r['method']} lr {r['lr']:g} seed {r['seed']}: {r['guard'][0]}" for r in result["runs"] if r["guard"]]

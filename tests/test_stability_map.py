@@ -32,6 +32,10 @@ def test_collapse_definition_and_largest_safe_step():
     text = sm.report(dict(runs=runs, command="x", commit="c", date="d", settings={"collapse": "c"}, machine={},
                           precision="fp32"))
     assert "- GRPO: 5e-05" in text and "- CE-GPPO(0.75,1): 3e-06" in text
+    assert "Provisional" not in text
+    text = sm.report(dict(runs=runs[1:], command="x", commit="c", date="d", settings={"collapse": "c"}, machine={},
+                          precision="fp32"))
+    assert "Provisional, fewer than 3 seeds (seeds run): GRPO at 3e-06 (2)." in text
 
 
 def test_the_step_axis_is_measured_on_grpo_per_level():
