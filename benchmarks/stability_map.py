@@ -238,12 +238,12 @@ def report(result: dict) -> str:
               "region shares measure the step itself; all cells for comparison):\n",
               "| lr | GRPO seeds | GRPO KL(old‖new) | GRPO beta1 / beta2-region share | all cells | all cells' KL |",
               "|---|---|---|---|---|---|"]
+    none = dict(seeds=0, kl=(float("nan"),) * 2, beta1_share=(float("nan"),) * 2, beta2_share=(float("nan"),) * 2)
     for lr in sorted({s["lr"] for s in summary}):
-        grpo = [r for r in result["runs"] if r["lr"] == lr and r["method"] == "GRPO"]
+        g = next((s for s in summary if s["method"] == "GRPO" and s["lr"] == lr), none)  # its summary row
         every = [r for r in result["runs"] if r["lr"] == lr]
-        kl, b1, b2 = (mean_sem([_mean(k, r) for r in grpo])
-                      for k in ("mb_last/ppo_kl", "mb_last/clip/low_frac", "mb_last/clip/high_frac"))
-        lines.append(f"| {lr:g} | {len(grpo)} | {kl[0]:.4f} ± {kl[1]:.4f} | {b1[0]:.3f} / {b2[0]:.3f} | {len(every)} | "
+        lines.append(f"| {lr:g} | {g['seeds']} | {g['kl'][0]:.4f} ± {g['kl'][1]:.4f} | {g['beta1_share'][0]:.3f} / "
+                     f"{g['beta2_share'][0]:.3f} | {len(every)} | "
                      f"{mean_sem([_mean('mb_last/ppo_kl', r) for r in every])[0]:.4f} |")
     lines.append("\nLargest learning rate with no collapse at any seed (among those run):\n")
     for m in METHODS:
