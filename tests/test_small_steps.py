@@ -74,3 +74,18 @@ def test_quick_mode_killed_mid_run_continues_from_its_records(tmp_path):
     assert [s["from_step"] for s in first["sessions"]] == [0, 2] and len(first["steps"]["entropy"]) == 6
     assert sorted(first["evals"], key=int) == ["0", "3", "6"] and (tmp_path / "small_steps.png").exists()
     assert "## Verdicts" in (tmp_path / "small_steps.md").read_text()
+
+
+def test_beats_says_when_the_baseline_is_at_the_ceiling_and_the_report_shows_each_eval_step():
+    runs = [record(m, s, ramp(1.0, 0.6), 1.0) for m in ss.PAPER_METHODS for s in range(3)]
+    for r in runs:
+        r["evals"] = {"0": 0.39, "20": 0.2 + 0.3 * ss.PAPER_METHODS.index(r["method"]) / 3, "40": 1.0, "60": 1.0}
+    v = ss.verdicts(runs)
+    assert not v["CE-GPPO(0.75,1) beats"]["met"] and "at the ceiling" in v["CE-GPPO(0.75,1) beats"]["why"]
+    below = [dict(r, evals=dict(r["evals"], **{"60": 0.9})) if r["method"] in ("GRPO", "DAPO") else r
+             for r in runs]
+    assert "ceiling" not in ss.verdicts(below)["CE-GPPO(0.75,1) beats"]["why"]  # room above the baseline: no note
+    table = ss.held_out_table(runs)
+    assert table[0] == "| method | step 0 | step 20 | step 40 | step 60 |"
+    assert table[2] == "| GRPO | 0.390 ± 0.000 | 0.200 ± 0.000 | 1.000 ± 0.000 | 1.000 ± 0.000 |"
+    assert table[5].startswith("| CE-GPPO(0.75,1) | 0.390 ± 0.000 | 0.500 ± 0.000 |")
