@@ -256,9 +256,11 @@ def report(result: dict) -> str:
         lines.append(f"\nProvisional, fewer than {MIN_SEEDS} seeds (seeds run): {', '.join(few)}.")
     if result.get("pending"):
         lines.append(f"\nNot run (budget): {len(result['pending'])} cells: {', '.join(result['pending'])}.")
-    guard = [f"- {r['method']} lr {r['lr']:g} seed {r['seed']}: {r['guard'][0]}" for r in result["runs"] if r["guard"]]
-    if guard:
-        lines += ["\nThe collapse guard's first finding per flagged run:\n", *guard]
+    guard = [f"- {r['method']} lr {r['lr']:g} seed {r['seed']}: {r['guard'][0]} (held-out accuracy "
+             f"{r['base_accuracy']:.3f} -> {r['final_accuracy']:.3f})" for r in result["runs"] if r["guard"]]
+    if guard:  # the final accuracy beside each finding: a run flagged on the way may still end well
+        lines += ["\nThe collapse guard's first finding per flagged run, with the run's held-out accuracy before and "
+                  "after:\n", *guard]
     return "\n".join(lines) + "\n"
 
 

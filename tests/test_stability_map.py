@@ -33,6 +33,7 @@ def test_collapse_definition_and_largest_safe_step():
                           precision="fp32"))
     assert "- GRPO: 5e-05" in text and "- CE-GPPO(0.75,1): 3e-06" in text
     assert "Provisional" not in text
+    assert "- CE-GPPO(0.75,1) lr 5e-05 seed 1: step 5: r (held-out accuracy 0.500 -> 0.000)" in text
     text = sm.report(dict(runs=runs[1:], command="x", commit="c", date="d", settings={"collapse": "c"}, machine={},
                           precision="fp32"))
     assert "Provisional, fewer than 3 seeds (seeds run): GRPO at 3e-06 (2)." in text
