@@ -115,6 +115,9 @@ def verdicts(runs: list[dict]) -> dict[str, dict]:
     out = {"GRPO falls": dict(met=falls, why=f"R_last/S {_pm(grpo['final_ratio'])} (<= {FALL} to meet)"),
            "DAPO rises": dict(met=rises, why=f"R_last/S {_pm(dapo['final_ratio'])} (>= {RISE} to meet)")}
     better = max((grpo, dapo), key=lambda s: s["accuracy"][0] if s["seeds"] else -1)
+    # A baseline at held-out 1.000 leaves no room above it: say so rather than let "NOT MET" read as a loss.
+    ceiling = "; cannot be met on this task: the better baseline is at the ceiling" if better["seeds"] and \
+        better["accuracy"][0] >= 1.0 else ""
     for m in PAPER_METHODS[2:]:
         s = st[m]
         holds = s["seeds"] > 0 and s["max_dev"][0] <= HOLD and (falls or rises)
@@ -122,9 +125,6 @@ def verdicts(runs: list[dict]) -> dict[str, dict]:
                                                  f"or DAPO rises: {falls or rises})")
         se = math.hypot(_z(s["accuracy"][1]), _z(better["accuracy"][1]))
         gap = s["accuracy"][0] - better["accuracy"][0]
-        # A baseline at held-out 1.000 leaves no room above it: say so rather than let "NOT MET" read as a loss.
-        ceiling = "; cannot be met on this task: the better baseline is at the ceiling" if better["seeds"] and \
-            better["accuracy"][0] >= 1.0 else ""
         out[f"{m} beats"] = dict(met=s["seeds"] > 1 and better["seeds"] > 1 and gap > se,
                                  why=f"held-out {_pm(s['accuracy'])} vs {better['method']} {_pm(better['accuracy'])}: "
                                      f"gap {gap:+.3f}, combined SE {se:.3f}{ceiling}")

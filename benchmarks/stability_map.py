@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import subprocess
 import sys
@@ -282,7 +283,7 @@ def plot(result: dict, out: Path) -> None:
         ax.text(j, i, f"{s['acc'][0]:.2f}\n{s['collapsed']}/{s['seeds']}", ha="center", va="center", fontsize=8)
     for i, row in enumerate(grid):  # a cell not run is said so, not left blank like a safe one
         for j, v in enumerate(row):
-            if v != v:
+            if math.isnan(v):
                 ax.text(j, i, "not run", ha="center", va="center", fontsize=7, color="grey")
     im = ax.imshow(grid, cmap="Reds", vmin=0, vmax=1, aspect="auto")
     ax.set_xticks(range(len(lrs)), [f"{lr:g}" for lr in lrs])
