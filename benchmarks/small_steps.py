@@ -3,6 +3,8 @@
     python benchmarks/small_steps.py --quick                                  # tiny model: checks the pipeline
     python benchmarks/small_steps.py --pilot --lrs 2e-5 1e-5 5e-6 --out runs/small_steps
     python benchmarks/small_steps.py --lr LR --seeds 0 1 2 --out runs/small_steps   # the four methods at LR
+    OMP_NUM_THREADS=1 python benchmarks/small_steps.py --lr LR --seeds 1 --out runs/small_steps &  # two cores:
+    OMP_NUM_THREADS=1 python benchmarks/small_steps.py --lr LR --seeds 2 --out runs/small_steps    # one seed each
     python benchmarks/small_steps.py --from-json runs/small_steps/small_steps.json --out benchmarks/results
 
 The paper (CE-GPPO, Su et al.) trains with many small steps and reports that GRPO's entropy collapses, DAPO's
@@ -13,7 +15,9 @@ accuracy (64 problems) at steps 0, 20, 40 and 60.
 
 Every run checkpoints every 10 steps into ``--out/runs/<run>``; a killed benchmark is run again with the same
 arguments and continues: finished runs are kept in ``--out/small_steps.json``, an unfinished one resumes from its
-newest checkpoint. Each record keeps how it was made (commit, machine and load, per session it ran in).
+newest checkpoint. Each record keeps how it was made (commit, machine and load, per session it ran in). Two
+benchmarks may share one ``--out`` to use two cores (``OMP_NUM_THREADS=1`` each, disjoint ``--seeds``): the records
+file is merged under a lock, never overwritten with one process's view.
 
 The rules, fixed before any run (entropy of run r at step t: H_t; start S = mean of H_1..H_3; rolling R_t = mean of
 H over steps t-4..t; per method the ratios are averaged over seeds, with their SE):
@@ -187,19 +191,32 @@ def run_one(cell: dict, sz: dict, out: Path, data_dir: Path, device: str, pilot:
     return dict(cell, steps=per_step(rows, KEEP), evals=evals, stopped=stopped, sessions=[*sessions, session])
 
 
-def run(args, out: Path) -> dict:
+def keep_record(records: Path, part: str, rec: dict, header: dict) -> dict:
+    """Add one finished record to the records file and return the file's whole content. The file is re-read under
+    a lock, so that two benchmarks sharing one ``--out`` (each with its own ``--seeds``) keep each other's records."""
+    from filelock import FileLock
+
     from cegppo.io import atomic_write_json
 
+    with FileLock(str(records) + ".lock"):
+        result = json.loads(records.read_text()) if records.exists() else {"pilot": [], "runs": []}
+        result[part] = [r for r in result[part] if key(r) != key(rec)] + [rec]
+        result.update(header)
+        atomic_write_json(records, result)
+    return result
+
+
+def run(args, out: Path) -> dict:
     sz = sizes(args)
     records = out / "small_steps.json"
     result = json.loads(records.read_text()) if records.exists() else {"pilot": [], "runs": []}
     data_dir = write_problems(out / "data", sz["lo"], sz["hi"])  # deterministic: the same files on every resume
 
     def keep(part: str, rec: dict) -> None:
-        result[part] = [r for r in result[part] if key(r) != key(rec)] + [rec]
-        result.update(settings=dict(sz, temperature=1.0, mini_batches=4, device=args.device),
-                      **provenance(__file__, sz["precision"]))
-        atomic_write_json(records, result)
+        nonlocal result
+        result = keep_record(records, part, rec, dict(settings=dict(sz, temperature=1.0, mini_batches=4,
+                                                                     device=args.device),
+                                                      **provenance(__file__, sz["precision"])))
 
     if args.pilot:
         for lr in sorted(args.lrs, reverse=True):

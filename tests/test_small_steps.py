@@ -89,3 +89,19 @@ def test_beats_says_when_the_baseline_is_at_the_ceiling_and_the_report_shows_eac
     assert table[0] == "| method | step 0 | step 20 | step 40 | step 60 |"
     assert table[2] == "| GRPO | 0.390 ± 0.000 | 0.200 ± 0.000 | 1.000 ± 0.000 | 1.000 ± 0.000 |"
     assert table[5].startswith("| CE-GPPO(0.75,1) | 0.390 ± 0.000 | 0.500 ± 0.000 |")
+
+
+def test_two_benchmarks_sharing_one_out_keep_each_others_records(tmp_path):
+    """Each process re-reads the records file under its lock before writing, so neither overwrites the other's
+    finished runs: here two processes write 60 records each, interleaved, into one file."""
+    records = tmp_path / "small_steps.json"
+    ss.keep_record(records, "runs", dict(method="GRPO", lr=5e-6, seed=0), {"settings": {}})
+    script = ("import sys; sys.path.insert(0, sys.argv[1]); import small_steps as ss; from pathlib import Path\n"
+              "for i in range(60):\n"
+              "    ss.keep_record(Path(sys.argv[2]), 'runs', dict(method='DAPO', lr=5e-6, seed=int(sys.argv[3]) + i),"
+              " {'settings': {}})\n")
+    procs = [subprocess.Popen([sys.executable, "-c", script, str(ROOT / "benchmarks"), str(records), str(base)])
+             for base in (100, 200)]
+    assert [p.wait(timeout=120) for p in procs] == [0, 0]
+    seeds = sorted(r["seed"] for r in json.loads(records.read_text())["runs"])
+    assert seeds == [0, *range(100, 160), *range(200, 260)]
