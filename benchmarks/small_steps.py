@@ -191,14 +191,19 @@ def run_one(cell: dict, sz: dict, out: Path, data_dir: Path, device: str, pilot:
     return dict(cell, steps=per_step(rows, KEEP), evals=evals, stopped=stopped, sessions=[*sessions, session])
 
 
+def records_lock(records: Path):
+    """The lock every writer of the records file holds while it reads and rewrites it."""
+    from filelock import FileLock
+
+    return FileLock(str(records) + ".lock")
+
+
 def keep_record(records: Path, part: str, rec: dict, header: dict) -> dict:
     """Add one finished record to the records file and return the file's whole content. The file is re-read under
     a lock, so that two benchmarks sharing one ``--out`` (each with its own ``--seeds``) keep each other's records."""
-    from filelock import FileLock
-
     from cegppo.io import atomic_write_json
 
-    with FileLock(str(records) + ".lock"):
+    with records_lock(records):
         result = json.loads(records.read_text()) if records.exists() else {"pilot": [], "runs": []}
         result[part] = [r for r in result[part] if key(r) != key(rec)] + [rec]
         result.update(header)
@@ -350,10 +355,15 @@ def main() -> None:
     out.mkdir(parents=True, exist_ok=True)
     if args.from_json:
         result = dict(json.loads(args.from_json.read_text()), **provenance(__file__, "fp32"))
-    else:
-        result = run(args, out)
-    plot(result, out)
-    write_results(out, "small_steps", result, report(result))
+        plot(result, out)
+        write_results(out, "small_steps", result, report(result))
+        return
+    result = run(args, out)
+    records = out / "small_steps.json"
+    with records_lock(records):  # the report from the file as it is now: a benchmark beside this one wrote to it too
+        result = json.loads(records.read_text()) if records.exists() else result
+        plot(result, out)
+        write_results(out, "small_steps", result, report(result))
 
 
 if __name__ == "__main__":
