@@ -42,3 +42,25 @@ def test_trl_variants_are_labelled_and_run_as_trl():
     v = st.systems(args)[-1]
     assert v == dict(label="trl[mb32]", kind="trl", overrides=["per_device_train_batch_size=32",
                                                                 "gradient_checkpointing=false"], rev=None)
+
+
+def _run(system: str, step_s: float, rss: float) -> dict:
+    step = dict(step_s=step_s, generate_s=step_s / 4, old_logp_s=step_s / 8, update_s=step_s / 2, generated_tokens=3000,
+                trained_tokens=3000, mean_response_length=50.0)
+    return dict(system=system, steps=[dict(step, step_s=999.0), step], peak_rss_gib=rss)  # the first is the warm-up
+
+
+def test_cegppo_is_compared_with_the_fastest_trl_arm_and_the_goal_names_only_cegppo_arms():
+    runs = [_run("cegppo", 60.0, 3.0), _run("trl", 120.0, 5.0), _run("trl[nockpt]", 90.0, 6.0)]
+    summ = st.summarize(runs, warmup=1)
+    assert st.fastest_trl(summ) == "trl[nockpt]"
+    vs = summ["cegppo"]["vs_trl"]
+    assert vs["against"] == "trl[nockpt]" and vs["trained_tok_s"] == pytest.approx(1.5) and vs["peak_rss"] == pytest.approx(0.5)
+    assert summ["trl"]["vs_trl"]["against"] == "trl[nockpt]" and "vs_trl" not in summ["trl[nockpt]"]
+    text = st.report(dict(settings=dict(WORK, model="m", rounds=1), summary=summ, command="c", commit="x", torch="t",
+                          threads=2, load_before=0.0, wall_s=60.0, machine={}, date="d", precision="fp32",
+                          systems=[dict(label="trl[nockpt]", kind="trl", overrides=["gradient_checkpointing=false"], rev=None)]))
+    assert "| against trl[nockpt] |" in text and "Goal of issue 43" in text
+    goal = next(line for line in text.splitlines() if line.startswith("Goal of issue 43"))
+    assert "cegppo MET" in goal and "trl NOT MET" not in goal and "trl MET" not in goal
+    assert "`trl[nockpt]` = TRL with `gradient_checkpointing=false`" in text
