@@ -22,7 +22,9 @@ AVX2-only CPUs), no reference model, torch's default threads.
 
 Each system runs in its own process (so its peak RSS is its own), the systems alternate, and the first step of
 every process is a warm-up that is not counted. Per system: seconds per step; generated and trained tokens per
-second (trained = response tokens that entered the loss); the split into generation, old log-probs and updates;
+second (trained = response tokens that entered the loss); the split into generation, old log-probs, updates (forward,
+backward, clipping and the optimizer's step; TRL's forward-backward and optimizer parts also apart in the JSON) and
+other (the rest of the step: logging, metrics, callbacks, the scheduler);
 peak RSS, and the peak in each phase (where the memory goes); and the ratios cegppo / TRL. The mean response lengths are printed side by side: both systems did the
 same work only if they are close. Writes ``step_throughput.{json,md}`` to ``--out`` (with the git commit, the
 command, the date and the machine: CPU model and ISA, precision, load).
@@ -107,12 +109,13 @@ def cegppo_worker(s: dict, workdir: Path, overrides: list[str]) -> dict:
         "logging.progress=false", *overrides])
     memory = PhaseRSS(heap=s["heap"])
     tr = Trainer(cfg, overwrite=True)
-    clock = {"collect": 0.0, "update": 0.0, "trained": 0.0}
+    clock = {"collect": 0.0, "old_logp": 0.0, "update": 0.0, "trained": 0.0}
+    phase = {"collect": "generate", "old_logp": "old log-probs", "update": "updates"}
     memory.phase = "old log-probs"  # and everything else between generating and updating
 
     def timed(name, fn, count=None):
         def wrapper(*a, **kw):
-            t0, memory.phase = time.perf_counter(), {"collect": "generate", "update": "updates"}[name]
+            t0, memory.phase = time.perf_counter(), phase[name]
             out = fn(*a, **kw)
             memory.phase = "old log-probs"
             clock[name] += time.perf_counter() - t0
@@ -122,14 +125,15 @@ def cegppo_worker(s: dict, workdir: Path, overrides: list[str]) -> dict:
         return wrapper
 
     tr.collect = timed("collect", tr.collect)
+    tr.old_log_probs = timed("old_logp", tr.old_log_probs)
     tr.update = timed("update", tr.update, count=lambda exp, mb, *_: float(exp.mask[mb].sum()))
     steps = []
     for _ in range(s["warmup"] + s["steps"]):
-        clock.update(collect=0.0, update=0.0, trained=0.0)
+        clock.update(collect=0.0, old_logp=0.0, update=0.0, trained=0.0)
         row = tr.step()
         total = row["time/step_s"]
         steps.append(dict(step_s=total, generate_s=clock["collect"], update_s=clock["update"],
-                          old_logp_s=total - clock["collect"] - clock["update"],
+                          old_logp_s=clock["old_logp"], other_s=total - clock["collect"] - clock["old_logp"] - clock["update"],
                           generated_tokens=generated_tokens(cfg, row), trained_tokens=clock["trained"],
                           mean_response_length=row["response_length/mean"],
                           decode_steps=row["response_length/max"]))  # the longest response: generate's steps
@@ -191,9 +195,11 @@ def trl_worker(s: dict, workdir: Path, overrides: list[str]) -> dict:
     gens: list[dict] = []  # one per generation, i.e. per RL step: its timings and tokens
     memory = PhaseRSS(heap=s["heap"])
 
+    backward_end = [0.0]  # when the last micro-batch's backward returned: the optimizer's part starts there
+
     class Timed(CEGPPOTrainer):
         def _generate_and_score_completions(self, inputs):
-            gens.append(dict(old_logp_s=0.0))
+            gens.append(dict(old_logp_s=0.0, forward_backward_s=0.0, optimizer_s=0.0))
             t0, memory.phase = time.perf_counter(), "generate"
             out = super()._generate_and_score_completions(inputs)
             memory.phase = "updates"
@@ -201,6 +207,15 @@ def trl_worker(s: dict, workdir: Path, overrides: list[str]) -> dict:
             g.update(generate_s=time.perf_counter() - t0 - g["old_logp_s"], tokens=float(mask.sum()),
                      mean_response_length=float(mask.sum()) / mask.shape[0],
                      decode_steps=float(mask.sum(-1).max()))  # the longest completion: generate's steps
+            return out
+
+        def training_step(self, *a, **kw):  # one micro-batch: forward and backward (and a generation, if due)
+            n, t0 = len(gens), time.perf_counter()
+            out = super().training_step(*a, **kw)
+            backward_end[0] = time.perf_counter()
+            g = gens[-1]
+            g["forward_backward_s"] += backward_end[0] - t0 - (
+                g["generate_s"] + g["old_logp_s"] if len(gens) > n else 0.0)  # a generation inside: not counted
             return out
 
         def _get_per_token_logps_and_entropies(self, *a, **kw):
@@ -220,6 +235,9 @@ def trl_worker(s: dict, workdir: Path, overrides: list[str]) -> dict:
             if not marks:
                 marks.append(time.perf_counter())
 
+        def on_optimizer_step(self, args, state, control, **kw):  # gradient clipping and AdamW's step
+            gens[-1]["optimizer_s"] += time.perf_counter() - backward_end[0]
+
         def on_step_end(self, args, state, control, **kw):
             if state.global_step % per_cycle == 0:
                 marks.append(time.perf_counter())
@@ -230,7 +248,10 @@ def trl_worker(s: dict, workdir: Path, overrides: list[str]) -> dict:
                     callbacks=[Clock()])
     trainer.train()
     steps = [dict(step_s=b - a, generate_s=g["generate_s"], old_logp_s=g["old_logp_s"],
-                  update_s=b - a - g["generate_s"] - g["old_logp_s"], generated_tokens=g["tokens"],
+                  update_s=g["forward_backward_s"] + g["optimizer_s"], forward_backward_s=g["forward_backward_s"],
+                  optimizer_s=g["optimizer_s"],
+                  other_s=b - a - g["generate_s"] - g["old_logp_s"] - g["forward_backward_s"] - g["optimizer_s"],
+                  generated_tokens=g["tokens"],
                   trained_tokens=g["tokens"], mean_response_length=g["mean_response_length"],
                   decode_steps=g["decode_steps"])
              for a, b, g in zip(marks, marks[1:], gens)]
@@ -341,13 +362,14 @@ def report(result: dict) -> str:
              f"optimizer steps per generation in micro-batches of {s['micro_batch']}, {precision(s)}, on "
              f"{'the GPU' if on_gpu(s) else 'the CPU'}. {s['rounds']} interleaved "
              f"rounds per system, each a fresh process: {s['warmup']} warm-up step (not counted) + {s['steps']} timed.",
-             "", "| | seconds / step (lowest-highest) | generate | old log-probs | updates | generated tok/s (generate phase) | "
-             "trained tok/s | mean response length | peak RSS |" + (" peak GPU memory |" if gpu else ""),
-             "|---|---|---|---|---|---|---|---|---|" + ("---|" if gpu else "")]
+             "", "| | seconds / step (lowest-highest) | generate | old log-probs | updates | other | generated tok/s "
+             "(generate phase) | trained tok/s | mean response length | peak RSS |" + (" peak GPU memory |" if gpu else ""),
+             "|---|---|---|---|---|---|---|---|---|---|" + ("---|" if gpu else "")]
     for system, r in summ.items():
         spread = f" ({r['step_s_min']:.1f}-{r['step_s_max']:.1f})" if "step_s_min" in r else ""
+        other = f"{r['other_s']:.1f} s" if "other_s" in r else "-"  # older results: inside old log-probs (cegppo) or updates (TRL)
         lines.append(f"| {system} | {r['step_s']:.1f}{spread} | {r['generate_s']:.1f} s | {r['old_logp_s']:.1f} s | "
-                     f"{r['update_s']:.1f} s | {r['generate_tok_s']:.0f} | {r['trained_tok_s']:.1f} | "
+                     f"{r['update_s']:.1f} s | {other} | {r['generate_tok_s']:.0f} | {r['trained_tok_s']:.1f} | "
                      f"{r['mean_response_length']:.1f} | {r['peak_rss_gib']:.2f} GiB |"
                      + (f" {r['peak_gpu_gib']:.2f} GiB |" if gpu else ""))
     ratios = {k: r["vs_trl"] for k, r in summ.items() if "vs_trl" in r}
@@ -389,7 +411,8 @@ def report(result: dict) -> str:
                                     ("TRL" if is_trl(x["label"]) else "cegppo") + " with " + " ".join(f"`{o}`" for o in x["overrides"]))
             + (f" (interpreter `{x['python']}`)" if x.get("python") else "") for x in variants) + "."]
     lines += ["", "TRL's generation time excludes its old-log-prob pass, which runs inside its generation call and "
-              "is timed apart. Tokens are counted the same way for every system: generated = response tokens sampled, "
+              "is timed apart. Updates are the forward and backward passes, gradient clipping and the optimizer's step; "
+              "other is the rest of the step (logging, metrics, callbacks, the scheduler). Tokens are counted the same way for every system: generated = response tokens sampled, "
               "trained = response tokens that entered the loss (once per step); prompt tokens are not counted. "
               "Per-process rows are in the JSON.", ""]
     return "\n".join(lines)
