@@ -29,7 +29,7 @@ peak RSS, and the peak in each phase (where the memory goes); and the ratios ceg
 same work only if they are close. Writes ``step_throughput.{json,md}`` to ``--out`` (with the git commit, the
 command, the date and the machine: CPU model and ISA, precision, load).
 
-One file of some 450 lines on purpose: the two systems' workers sit beside each other, so that a reader can check line
+One file of some 500 lines on purpose: the two systems' workers sit beside each other, so that a reader can check line
 by line that both arms do the same work (the memory sampler lives in ``common/measure.py``).
 """
 
