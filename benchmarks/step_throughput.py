@@ -91,6 +91,12 @@ def peak_memory(s: dict) -> dict:
 # ---------------------------------------------------------------------------------------------------------
 
 
+def phases(step_s: float, generate_s: float, old_logp_s: float, update_s: float, **rest) -> dict:
+    """One timed step's row: the measured phases, and "other", the rest of the step (logging, metrics, callbacks)."""
+    return dict(step_s=step_s, generate_s=generate_s, old_logp_s=old_logp_s, update_s=update_s,
+                other_s=step_s - generate_s - old_logp_s - update_s, **rest)
+
+
 def cegppo_worker(s: dict, workdir: Path, overrides: list[str]) -> dict:
     from cegppo.config import load_config
     from cegppo.engine.trainer import Trainer
@@ -132,11 +138,10 @@ def cegppo_worker(s: dict, workdir: Path, overrides: list[str]) -> dict:
         clock.update(collect=0.0, old_logp=0.0, update=0.0, trained=0.0)
         row = tr.step()
         total = row["time/step_s"]
-        steps.append(dict(step_s=total, generate_s=clock["collect"], update_s=clock["update"],
-                          old_logp_s=clock["old_logp"], other_s=total - clock["collect"] - clock["old_logp"] - clock["update"],
-                          generated_tokens=generated_tokens(cfg, row), trained_tokens=clock["trained"],
-                          mean_response_length=row["response_length/mean"],
-                          decode_steps=row["response_length/max"]))  # the longest response: generate's steps
+        steps.append(phases(total, clock["collect"], clock["old_logp"], clock["update"],
+                            generated_tokens=generated_tokens(cfg, row), trained_tokens=clock["trained"],
+                            mean_response_length=row["response_length/mean"],
+                            decode_steps=row["response_length/max"]))  # the longest response: generate's steps
     tr.close()
     return dict(steps=steps, **peak_memory(s), **memory.result())
 
@@ -247,13 +252,10 @@ def trl_worker(s: dict, workdir: Path, overrides: list[str]) -> dict:
     trainer = Timed(model=str(preset_path(s["model"])), reward_funcs=[math_strict], args=args, train_dataset=ds,
                     callbacks=[Clock()])
     trainer.train()
-    steps = [dict(step_s=b - a, generate_s=g["generate_s"], old_logp_s=g["old_logp_s"],
-                  update_s=g["forward_backward_s"] + g["optimizer_s"], forward_backward_s=g["forward_backward_s"],
-                  optimizer_s=g["optimizer_s"],
-                  other_s=b - a - g["generate_s"] - g["old_logp_s"] - g["forward_backward_s"] - g["optimizer_s"],
-                  generated_tokens=g["tokens"],
-                  trained_tokens=g["tokens"], mean_response_length=g["mean_response_length"],
-                  decode_steps=g["decode_steps"])
+    steps = [phases(b - a, g["generate_s"], g["old_logp_s"], g["forward_backward_s"] + g["optimizer_s"],
+                    forward_backward_s=g["forward_backward_s"], optimizer_s=g["optimizer_s"], generated_tokens=g["tokens"],
+                    trained_tokens=g["tokens"], mean_response_length=g["mean_response_length"],
+                    decode_steps=g["decode_steps"])
              for a, b, g in zip(marks, marks[1:], gens)]
     return dict(steps=steps, **peak_memory(s), **memory.result())
 
