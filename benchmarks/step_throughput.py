@@ -336,7 +336,28 @@ def summarize(runs: list[dict], warmup: int) -> dict:
                                    mean_response_length=c["mean_response_length"] / t["mean_response_length"])
                 if "peak_gpu_gib" in c:
                     c["vs_trl"]["peak_gpu"] = c["peak_gpu_gib"] / t["peak_gpu_gib"]
+                c["vs_trl"]["trained_tok_s_rounds"] = round_ratios(runs, warmup, system, reference)
     return out
+
+
+def round_ratios(runs: list[dict], warmup: int, system: str, reference: str) -> list[float]:
+    """``system``'s trained tokens per second over ``reference``'s, round by round (the two processes of a round ran
+    back to back, so the machine's state moves less within a round than between rounds): the spread the goal is
+    judged against."""
+    def tok_s(label: str, rnd: int) -> float | None:
+        timed = [st for r in runs if r["system"] == label and r.get("round", 0) == rnd for st in r["steps"][warmup:]]
+        return sum(st["trained_tokens"] for st in timed) / sum(st["step_s"] for st in timed) if timed else None
+
+    rounds = sorted({r.get("round", 0) for r in runs})
+    pairs = [(tok_s(system, k), tok_s(reference, k)) for k in rounds]
+    return [a / b for a, b in pairs if a is not None and b is not None]
+
+
+def goal_met(q: dict, memory: str) -> bool:
+    """Issue 43's goal for one arm: >= 1.5x the fastest TRL arm's trained tokens per second over the run and in every
+    round, at <= 0.75x its peak memory."""
+    return (q["trained_tok_s"] >= 1.5 and min(q.get("trained_tok_s_rounds") or [q["trained_tok_s"]]) >= 1.5
+            and q[memory] <= 0.75)
 
 
 def is_trl(label: str) -> bool:
@@ -348,6 +369,11 @@ def fastest_trl(summary: dict) -> str | None:
     and so the one every other system is compared with."""
     arms = [k for k in summary if is_trl(k)]
     return max(arms, key=lambda k: summary[k]["trained_tok_s"]) if arms else None
+
+
+def per_round(q: dict) -> str:
+    rounds = q.get("trained_tok_s_rounds") or []  # older results: not kept
+    return f" ({', '.join(f'{x:.2f}' for x in rounds)} by round)" if len(rounds) > 1 else ""
 
 
 def report(result: dict) -> str:
@@ -378,18 +404,23 @@ def report(result: dict) -> str:
     memory = "peak_gpu" if gpu else "peak_rss"  # the memory that limits the user: the GPU's where there is one
     if ratios:
         reference = next(iter(ratios.values())).get("against", "trl")  # older results: always the plain TRL arm
-        lines += ["", f"Ratios against `{reference}`, the TRL configuration with the most trained tokens per second "
-                  "in this run (what a TRL user would choose for this work).", "",
+        alone = sum(map(is_trl, summ)) == 1  # one TRL arm run: the fastest of one, not shown to be TRL's best
+        lines += ["", f"Ratios against `{reference}`, " + (
+            "the only TRL configuration in this run (not shown to be TRL's fastest for this work)." if alone else
+            "the TRL configuration with the most trained tokens per second in this run (what a TRL user would choose "
+            "for this work)."), "",
                   f"| against {reference} | trained tok/s | seconds / step | peak RSS | generation tok/s | mean response "
                   "length (same work: close to 1) |" + (" peak GPU memory |" if gpu else ""),
                   "|---|---|---|---|---|---|" + ("---|" if gpu else "")]
-        lines += [f"| {k} | **{q['trained_tok_s']:.2f}x** | {q['step_s']:.2f}x | **{q['peak_rss']:.2f}x** | "
+        lines += [f"| {k} | **{q['trained_tok_s']:.2f}x**{per_round(q)} | {q['step_s']:.2f}x | **{q['peak_rss']:.2f}x** | "
                   f"{q['generate_tok_s']:.2f}x | {q['mean_response_length']:.2f}x |"
                   + (f" **{q['peak_gpu']:.2f}x** |" if gpu else "") for k, q in ratios.items()]
-        lines += ["", f"Goal of issue 43 (>= 1.5x the fastest TRL arm's trained tokens per second at <= 0.75x its peak "
-                  f"{'GPU memory' if gpu else 'memory'}): " + "; ".join(
-            f"{k} {'MET' if q['trained_tok_s'] >= 1.5 and q[memory] <= 0.75 else 'NOT MET'}"
-            for k, q in ratios.items() if not is_trl(k)) + "."]
+        lines += ["", f"Goal of issue 43 (>= 1.5x the fastest TRL arm's trained tokens per second, over the run and in "
+                  f"every round, at <= 0.75x its peak {'GPU memory' if gpu else 'memory'}): " + "; ".join(
+            f"{k} {'MET' if goal_met(q, memory) else 'NOT MET'}"
+            for k, q in ratios.items() if not is_trl(k)) + (
+            " against the only TRL arm run; the goal asks for TRL's fastest arm, so it is not judged here" if alone
+            else "") + "."]
     phases = ("load", "generate", "old log-probs", "updates")
     if any(r.get("phase_peak_rss_gib") for r in summ.values()):
         lines += ["", "Where the memory goes: the highest resident set sampled (every 20 ms) in each phase, GiB "
@@ -412,9 +443,14 @@ def report(result: dict) -> str:
             f"`{x['label']}` = " + (f"the trainer at git revision {x['rev']}" if x["rev"] else
                                     ("TRL" if is_trl(x["label"]) else "cegppo") + " with " + " ".join(f"`{o}`" for o in x["overrides"]))
             + (f" (interpreter `{x['python']}`)" if x.get("python") else "") for x in variants) + "."]
+    timed_directly = all("other_s" in r for r in summ.values())
     lines += ["", "TRL's generation time excludes its old-log-prob pass, which runs inside its generation call and "
-              "is timed apart. Updates are the forward and backward passes, gradient clipping and the optimizer's step; "
-              "other is the rest of the step (logging, metrics, callbacks, the scheduler). Tokens are counted the same way for every system: generated = response tokens sampled, "
+              "is timed apart. " + ("Updates are the forward and backward passes, gradient clipping and the optimizer's "
+                                    "step; other is the rest of the step (logging, metrics, callbacks, the scheduler). "
+                                    if timed_directly else
+                                    "This run predates the direct timing of the updates: TRL's updates are the rest of "
+                                    "its step (logging and callbacks included) and cegppo's old log-probs include its "
+                                    "logging. ") + "Tokens are counted the same way for every system: generated = response tokens sampled, "
               "trained = response tokens that entered the loss (once per step); prompt tokens are not counted. "
               "Per-process rows are in the JSON.", ""]
     return "\n".join(lines)

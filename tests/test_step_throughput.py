@@ -64,3 +64,31 @@ def test_cegppo_is_compared_with_the_fastest_trl_arm_and_the_goal_names_only_ceg
     goal = next(line for line in text.splitlines() if line.startswith("Goal of issue 43"))
     assert "cegppo MET" in goal and "trl NOT MET" not in goal and "trl MET" not in goal
     assert "`trl[nockpt]` = TRL with `gradient_checkpointing=false`" in text
+
+
+def _report(summ: dict, rounds: int) -> str:
+    return st.report(dict(settings=dict(WORK, model="m", rounds=rounds), summary=summ, command="c", commit="x",
+                          torch="t", threads=2, load_before=0.0, wall_s=60.0, machine={}, date="d", precision="fp32"))
+
+
+def test_the_goal_is_judged_in_every_round_not_only_over_the_run():
+    # round 0: cegppo 2.0x the TRL arm; round 1: 1.2x; over the run the pooled ratio is above 1.5x
+    runs = [dict(_run("cegppo", 50.0, 3.0), round=0), dict(_run("trl", 100.0, 5.0), round=0),
+            dict(_run("trl", 60.0, 5.0), round=1), dict(_run("cegppo", 50.0, 3.0), round=1)]
+    runs.append(dict(_run("trl[mb32]", 100.0, 5.0), round=0))  # a slower second arm: trl is the fastest
+    summ = st.summarize(runs, warmup=1)
+    vs = summ["cegppo"]["vs_trl"]
+    assert vs["against"] == "trl" and vs["trained_tok_s_rounds"] == pytest.approx([2.0, 1.2])
+    assert vs["trained_tok_s"] == pytest.approx(1.6)
+    text = _report(summ, rounds=2)
+    assert "**1.60x** (2.00, 1.20 by round)" in text
+    goal = next(line for line in text.splitlines() if line.startswith("Goal of issue 43"))
+    assert "cegppo NOT MET" in goal and "not judged" not in goal
+
+
+def test_against_a_single_trl_arm_the_goal_is_not_judged():
+    summ = st.summarize([_run("cegppo", 50.0, 3.0), _run("trl", 100.0, 5.0)], warmup=1)
+    text = _report(summ, rounds=1)
+    assert "the only TRL configuration in this run" in text
+    goal = next(line for line in text.splitlines() if line.startswith("Goal of issue 43"))
+    assert "cegppo MET against the only TRL arm run" in goal and "not judged" in goal
