@@ -43,7 +43,7 @@ import time
 from pathlib import Path
 
 from common import RESULTS, command, load_now, provenance, provenance_line, write_results
-from common.entropy import METHODS, cell_key as key, mean_sem, per_step, trainer_overrides, write_problems
+from common.entropy import METHODS, cell_key as key, mean_sem, per_step, pm, trainer_overrides, write_problems
 
 PAPER_METHODS = ("GRPO", "DAPO", "CE-GPPO(0.5,1)", "CE-GPPO(0.75,1)")
 SHARE_MAX, FALL, RISE, HOLD, SATURATED = 0.03, 0.70, 1.30, 0.15, 0.9
@@ -116,8 +116,8 @@ def verdicts(runs: list[dict]) -> dict[str, dict]:
     grpo, dapo = st["GRPO"], st["DAPO"]
     falls = grpo["seeds"] > 0 and grpo["final_ratio"][0] <= FALL
     rises = dapo["seeds"] > 0 and dapo["final_ratio"][0] >= RISE
-    out = {"GRPO falls": dict(met=falls, why=f"R_last/S {_pm(grpo['final_ratio'])} (<= {FALL} to meet)"),
-           "DAPO rises": dict(met=rises, why=f"R_last/S {_pm(dapo['final_ratio'])} (>= {RISE} to meet)")}
+    out = {"GRPO falls": dict(met=falls, why=f"R_last/S {pm(grpo['final_ratio'])} (<= {FALL} to meet)"),
+           "DAPO rises": dict(met=rises, why=f"R_last/S {pm(dapo['final_ratio'])} (>= {RISE} to meet)")}
     better = max((grpo, dapo), key=lambda s: s["accuracy"][0] if s["seeds"] else -1)
     # A baseline at held-out 1.000 leaves no room above it: say so rather than let "NOT MET" read as a loss.
     ceiling = "; cannot be met on this task: the better baseline is at the ceiling" if better["seeds"] and \
@@ -125,22 +125,18 @@ def verdicts(runs: list[dict]) -> dict[str, dict]:
     for m in PAPER_METHODS[2:]:
         s = st[m]
         holds = s["seeds"] > 0 and s["max_dev"][0] <= HOLD and (falls or rises)
-        out[f"{m} holds"] = dict(met=holds, why=f"max |R_t/S - 1| {_pm(s['max_dev'])} (<= {HOLD}, while GRPO falls "
+        out[f"{m} holds"] = dict(met=holds, why=f"max |R_t/S - 1| {pm(s['max_dev'])} (<= {HOLD}, while GRPO falls "
                                                  f"or DAPO rises: {falls or rises})")
         se = math.hypot(_z(s["accuracy"][1]), _z(better["accuracy"][1]))
         gap = s["accuracy"][0] - better["accuracy"][0]
         out[f"{m} beats"] = dict(met=s["seeds"] > 1 and better["seeds"] > 1 and gap > se,
-                                 why=f"held-out {_pm(s['accuracy'])} vs {better['method']} {_pm(better['accuracy'])}: "
+                                 why=f"held-out {pm(s['accuracy'])} vs {better['method']} {pm(better['accuracy'])}: "
                                      f"gap {gap:+.3f}, combined SE {se:.3f}{ceiling}")
     return out
 
 
 def _z(x: float) -> float:
     return 0.0 if math.isnan(x) else x
-
-
-def _pm(ms: tuple[float, float]) -> str:
-    return f"{ms[0]:.3f} ± {ms[1]:.3f}" if not math.isnan(ms[1]) else f"{ms[0]:.3f} (one seed)"
 
 
 # ---- running ----
@@ -271,8 +267,8 @@ def report(result: dict) -> str:
         for m in PAPER_METHODS:
             s = method_stats(result["runs"], m)
             if s["seeds"]:
-                lines.append(f"| {m} | {s['seeds']} | {_pm(s['final_ratio'])} | {_pm(s['max_dev'])} | "
-                             f"{_pm(s['accuracy'])} |")
+                lines.append(f"| {m} | {s['seeds']} | {pm(s['final_ratio'])} | {pm(s['max_dev'])} | "
+                             f"{pm(s['accuracy'])} |")
         lines += ["\nHeld-out accuracy at each evaluated step (mean ± SE over seeds; no verdict reads the earlier "
                   "steps, they show where the methods part before the task saturates):\n"] + held_out_table(result["runs"])
         seeds = {m: method_stats(result["runs"], m)["seeds"] for m in PAPER_METHODS}
@@ -293,7 +289,7 @@ def held_out_table(runs: list[dict]) -> list[str]:
     for m in PAPER_METHODS:
         rs = [r for r in done if r["method"] == m]
         if rs:
-            cells = [_pm(mean_sem([r["evals"][str(t)] for r in rs if str(t) in r["evals"]])) for t in at]
+            cells = [pm(mean_sem([r["evals"][str(t)] for r in rs if str(t) in r["evals"]])) for t in at]
             lines.append(f"| {m} | " + " | ".join(cells) + " |")
     return lines
 

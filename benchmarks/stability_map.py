@@ -30,7 +30,7 @@ import time
 from pathlib import Path
 
 from common import RESULTS, command, load_now, provenance, provenance_line, write_results
-from common.entropy import METHODS, cell_key as key, mean_sem, per_step, trainer_overrides, write_problems
+from common.entropy import METHODS, cell_key as key, mean_sem, per_step, pm, trainer_overrides, write_problems
 
 COLLAPSE_ACCURACY = 0.2  # final held-out accuracy below this: collapsed (with the guard's findings)
 MIN_SEEDS = 3  # per cell; the report lists the cells with fewer as provisional
@@ -232,7 +232,7 @@ def report(result: dict) -> str:
              "|---|---|---|---|---|---|---|---|---|---|"]
     for s in summary:
         lines.append(f"| {s['method']} | {s['lr']:g} | {s['seeds']} | {s['collapsed']}/{s['seeds']} | "
-                     f"{s['acc'][0]:.3f} ± {s['acc'][1]:.3f} | {s['kl'][0]:.3f} | {s['beta1_share'][0]:.3f} / "
+                     f"{pm(s['acc'])} | {s['kl'][0]:.3f} | {s['beta1_share'][0]:.3f} / "
                      f"{s['beta2_share'][0]:.3f} | {s['entropy'][0]:.2f} -> {s['entropy'][1]:.2f} | {s['length']:.1f} | "
                      f"{s['wall']:.0f} |")
     lines += ["\nThe step sizes, measured (GRPO's cells: its clip keeps PPO's trust region, so its last mini-batch's KL and "
@@ -243,7 +243,7 @@ def report(result: dict) -> str:
     for lr in sorted({s["lr"] for s in summary}):
         g = next((s for s in summary if s["method"] == "GRPO" and s["lr"] == lr), none)  # its summary row
         every = [r for r in result["runs"] if r["lr"] == lr]
-        lines.append(f"| {lr:g} | {g['seeds']} | {g['kl'][0]:.4f} ± {g['kl'][1]:.4f} | {g['beta1_share'][0]:.3f} / "
+        lines.append(f"| {lr:g} | {g['seeds']} | {pm(g['kl'], 4)} | {g['beta1_share'][0]:.3f} / "
                      f"{g['beta2_share'][0]:.3f} | {len(every)} | "
                      f"{mean_sem([_mean('mb_last/ppo_kl', r) for r in every])[0]:.4f} |")
     lines.append("\nLargest learning rate with no collapse at any seed (among those run):\n")

@@ -65,6 +65,13 @@ def mean_sem(xs: list[float]) -> tuple[float, float]:
     return m, (statistics.stdev(xs) / math.sqrt(len(xs)) if len(xs) > 1 else float("nan"))
 
 
+def pm(ms: tuple[float, float], digits: int = 3) -> str:
+    """``mean ± SE`` as a report prints it; a single run has no SE and says so, no run at all prints "-"."""
+    if math.isnan(ms[0]):
+        return "-"
+    return f"{ms[0]:.{digits}f} ± {ms[1]:.{digits}f}" if not math.isnan(ms[1]) else f"{ms[0]:.{digits}f} (one seed)"
+
+
 def sizes(args) -> dict:
     if args.quick:  # the tiny char-level model: checks the pipeline, measures nothing
         return dict(model="tiny", precision="fp32", rollout_dtype="float32", steps=2, seeds=[0], prompts=2, n=4,
