@@ -29,7 +29,7 @@ peak RSS, and the peak in each phase (where the memory goes); and the ratios ceg
 same work only if they are close. Writes ``step_throughput.{json,md}`` to ``--out`` (with the git commit, the
 command, the date and the machine: CPU model and ISA, precision, load).
 
-One file of some 500 lines on purpose: the two systems' workers sit beside each other, so that a reader can check line
+One file of some 530 lines on purpose: the two systems' workers sit beside each other, so that a reader can check line
 by line that both arms do the same work (the memory sampler lives in ``common/measure.py``).
 """
 
@@ -341,7 +341,7 @@ def summarize(runs: list[dict], warmup: int) -> dict:
 
 
 def round_ratios(runs: list[dict], warmup: int, system: str, reference: str) -> list[float]:
-    """``system``'s trained tokens per second over ``reference``'s, round by round (the two processes of a round ran
+    """``system``'s trained tokens per second over ``reference``'s, round by round (the processes of one round ran
     back to back, so the machine's state moves less within a round than between rounds): the spread the goal is
     judged against."""
     def tok_s(label: str, rnd: int) -> float | None:
