@@ -306,15 +306,25 @@ def run_worker(system: dict, s: dict) -> dict:
     return {**json.loads(proc.stdout.strip().splitlines()[-1]), "system": system["label"]}
 
 
+def timed_steps(runs: list[dict], warmup: int, system: str, rnd: int | None = None) -> list[dict]:
+    """``system``'s steps after the warm-up, in every round or in round ``rnd``."""
+    return [st for r in runs if r["system"] == system and (rnd is None or r.get("round", 0) == rnd)
+            for st in r["steps"][warmup:]]
+
+
+def trained_tok_s(steps: list[dict]) -> float:
+    return sum(st["trained_tokens"] for st in steps) / sum(st["step_s"] for st in steps)
+
+
 def summarize(runs: list[dict], warmup: int) -> dict:
     out = {}
     for system in dict.fromkeys(r["system"] for r in runs):
-        timed = [st for r in runs if r["system"] == system for st in r["steps"][warmup:]]
+        timed = timed_steps(runs, warmup, system)
         total = sum(st["step_s"] for st in timed)
         row = {k: statistics.fmean(st[k] for st in timed) for k in timed[0]}
         row.update(steps_timed=len(timed), step_s_min=min(st["step_s"] for st in timed),
                    step_s_max=max(st["step_s"] for st in timed), generated_tok_s=sum(st["generated_tokens"] for st in timed) / total,
-                   trained_tok_s=sum(st["trained_tokens"] for st in timed) / total,
+                   trained_tok_s=trained_tok_s(timed),
                    generate_tok_s=sum(st["generated_tokens"] for st in timed) / sum(st["generate_s"] for st in timed),
                    peak_rss_gib=max(r["peak_rss_gib"] for r in runs if r["system"] == system))
         if all("peak_gpu_gib" in r for r in runs):
@@ -344,13 +354,9 @@ def round_ratios(runs: list[dict], warmup: int, system: str, reference: str) -> 
     """``system``'s trained tokens per second over ``reference``'s, round by round (the processes of one round ran
     back to back, so the machine's state moves less within a round than between rounds): the spread the goal is
     judged against."""
-    def tok_s(label: str, rnd: int) -> float | None:
-        timed = [st for r in runs if r["system"] == label and r.get("round", 0) == rnd for st in r["steps"][warmup:]]
-        return sum(st["trained_tokens"] for st in timed) / sum(st["step_s"] for st in timed) if timed else None
-
     rounds = sorted({r.get("round", 0) for r in runs})
-    pairs = [(tok_s(system, k), tok_s(reference, k)) for k in rounds]
-    return [a / b for a, b in pairs if a is not None and b is not None]
+    pairs = [(timed_steps(runs, warmup, system, k), timed_steps(runs, warmup, reference, k)) for k in rounds]
+    return [trained_tok_s(a) / trained_tok_s(b) for a, b in pairs if a and b]
 
 
 def goal_met(q: dict, memory: str) -> bool:

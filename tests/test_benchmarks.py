@@ -82,11 +82,11 @@ def test_quick_mode_writes_results_with_provenance(script, tmp_path):
         assert (out / name).is_file(), f"{script} --quick did not write {name} (wrote {sorted(os.listdir(out))})"
     result = json.loads((out / files[0]).read_text())
     check_provenance(result, script)
-    if script == "step_throughput.py":  # each system's step splits into phases, each timed, none counted twice
-        for run in result["runs"]:
+    if script == "step_throughput.py":  # each phase is timed, and none counted twice: other_s is what the step's clock
+        for run in result["runs"]:     # left after the timed phases, so a phase timed twice makes it negative
             for st in run["steps"]:
                 parts = [st[k] for k in ("generate_s", "old_logp_s", "update_s", "other_s")]
-                assert min(parts) >= -1e-3 and st["update_s"] > 0 and abs(sum(parts) - st["step_s"]) < 1e-6, (run["system"], st)
+                assert min(parts) >= -1e-3 and st["update_s"] > 0, (run["system"], st)
     md = [name for name in files if name.endswith(".md")]
     if md:  # the report names the commit it was made at
         assert result["commit"] in (out / md[0]).read_text()
