@@ -29,6 +29,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from cegppo.algorithm.diagnostics import QUADRANTS
 from common import RESULTS, command, load_now, provenance, provenance_line, write_results
 from common.entropy import METHODS, cell_key as key, mean_sem, per_step, pm, trainer_overrides, write_problems
 
@@ -36,7 +37,7 @@ COLLAPSE_ACCURACY = 0.2  # final held-out accuracy below this: collapsed (with t
 MIN_SEEDS = 3  # per cell; the report lists the cells with fewer as provisional
 KEEP = ("reward/mean", "reward/accuracy", "entropy", "response_length/mean", "response_length/clip_ratio",
         "mb_last/ppo_kl", "mb_last/clip/low_frac", "mb_last/clip/high_frac", "grad_norm", "collapse/flag",
-        "train/kl_stopped_at")
+        "train/kl_stopped_at", *(f"quadrant/{q}/dH" for q in QUADRANTS), "dH/predicted")  # dH: which quadrant moves entropy
 
 
 def sizes(args) -> dict:
