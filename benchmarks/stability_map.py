@@ -202,6 +202,10 @@ def _mean(key: str, r: dict) -> float:
     return sum(vals) / len(vals) if vals else float("nan")
 
 
+def _sum(key: str, r: dict) -> float:
+    return sum(v for v in r["steps"][key] if v is not None)
+
+
 def summarize(runs: list[dict]) -> list[dict]:
     """One row per (lr, method): seeds, collapses, and means over seeds (± SE for accuracy, KL and region shares)."""
     out = []
@@ -219,6 +223,31 @@ def summarize(runs: list[dict]) -> list[dict]:
                                 length=mean_sem([_last("response_length/mean", r) for r in rs])[0],
                                 wall=mean_sem([r["wall_s"] for r in rs])[0]))
     return out
+
+
+def entropy_by_quadrant(runs: list[dict]) -> list[str]:
+    """The report's table of which token quadrant moved entropy: each quadrant's first-order entropy change (the
+    trainer's ``quadrant/<Q>/dH``, a unit step on the logits) summed over a run's steps, mean over seeds, beside the
+    entropy the rollouts measured (last - first). Only records that keep ``dH`` (made from 3b0dee5 on)."""
+    keyed = [r for r in runs if "dH/predicted" in r["steps"]]
+    if not keyed:
+        return []
+    lines = ["\nWhere entropy moved, by token quadrant (PA/NA: advantage positive / negative; HP/LP: the sampled token's "
+             "probability >= / < 0.5 under pi_old): each quadrant's first-order entropy change (`quadrant/<Q>/dH`, for "
+             "a unit step on the logits, so its scale is not the lr's; its sign and share are the point) summed over "
+             "the run's steps, mean over the seeds whose records keep it; the last column is the entropy the rollouts "
+             "measured, last step - first:\n",
+             "| method | lr | seeds | " + " | ".join(f"{q} dH" for q in QUADRANTS) + " | sum | entropy last - first |",
+             "|---|---|---|" + "---|" * (len(QUADRANTS) + 2)]
+    for lr in sorted({r["lr"] for r in keyed}):
+        for m in METHODS:
+            rs = [r for r in keyed if r["method"] == m and r["lr"] == lr]
+            if rs:
+                dh = [mean_sem([_sum(f"quadrant/{q}/dH", r) for r in rs])[0] for q in QUADRANTS]
+                moved = mean_sem([_last("entropy", r) - (r["steps"]["entropy"][0] or 0) for r in rs])[0]
+                lines.append(f"| {m} | {lr:g} | {len(rs)} | " + " | ".join(f"{v:+.3f}" for v in dh)
+                             + f" | {mean_sem([_sum('dH/predicted', r) for r in rs])[0]:+.3f} | {moved:+.2f} |")
+    return lines
 
 
 def report(result: dict) -> str:
@@ -258,6 +287,7 @@ def report(result: dict) -> str:
         lines.append(f"\nProvisional, fewer than {MIN_SEEDS} seeds (seeds run): {', '.join(few)}.")
     if result.get("pending"):
         lines.append(f"\nNot run (budget): {len(result['pending'])} cells: {', '.join(result['pending'])}.")
+    lines += entropy_by_quadrant(result["runs"])
     guard = [f"- {r['method']} lr {r['lr']:g} seed {r['seed']}: {r['guard'][0]} (held-out accuracy "
              f"{r['base_accuracy']:.3f} -> {r['final_accuracy']:.3f})" for r in result["runs"] if r["guard"]]
     if guard:  # the final accuracy beside each finding: a run flagged on the way may still end well

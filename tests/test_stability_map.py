@@ -56,6 +56,26 @@ def test_the_step_axis_is_measured_on_grpo_per_level():
     assert "| GRPO | 5e-05 | 2 | 0/2 | 0.800 ± 0.000 | 0.020 | 0.040 / 0.060 |" in text
 
 
+def test_entropy_by_quadrant_sums_steps_and_skips_records_without_it():
+    """Each quadrant's dH summed over a run's steps, mean over seeds; records made before they kept dH stay out."""
+    runs = []
+    for s, na_lp in ((0, -0.01), (1, -0.03)):
+        r = record("CE-GPPO(0.75,1)", 2.5e-5, s, 0.8)
+        r["steps"].update({"quadrant/PA_HP/dH": [-0.02] * 10, "quadrant/PA_LP/dH": [0.01] * 10,
+                           "quadrant/NA_HP/dH": [0.0] * 10, "quadrant/NA_LP/dH": [na_lp] * 10,
+                           "dH/predicted": [-0.01 + na_lp] * 10, "entropy": [1.6] + [1.0] * 9})
+        runs.append(r)
+    old = record("GRPO", 2.5e-5, 0, 0.8)
+    for k in [k for k in old["steps"] if "dH" in k]:
+        del old["steps"][k]
+    text = sm.report(dict(runs=runs + [old], command="x", commit="c", date="d", settings={"collapse": "c"},
+                          machine={}, precision="fp32"))
+    assert "| CE-GPPO(0.75,1) | 2.5e-05 | 2 | -0.200 | +0.100 | +0.000 | -0.200 | -0.300 | -0.60 |" in text
+    assert "| GRPO | 2.5e-05 | 1 | +" not in text
+    assert "Where entropy moved" not in sm.report(dict(runs=[old], command="x", commit="c", date="d",
+                                                       settings={"collapse": "c"}, machine={}, precision="fp32"))
+
+
 def test_quick_mode_runs(tmp_path):
     proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "stability_map.py"), "--quick", "--out",
                            str(tmp_path)], capture_output=True, text=True, timeout=600)
