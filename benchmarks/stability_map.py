@@ -9,9 +9,11 @@ Every cell (method x learning rate x seed) is one run of the entropy benchmark's
 additions a + b, temperature 1.0, 16 prompts x 8 samples, <= 40 new tokens, 4 AdamW mini-batches per step, warm-up
 0, no weight decay, 10 steps; benchmarks/common/entropy.py), in its own process (``--parallel`` at a time), and
 leaves a record: per step the rollout reward, accuracy, entropy, truncation share, the last mini-batch's
-KL(old||new) and clip-region shares, the collapse guard's findings; the held-out accuracy before and after; the
-wall time; and how it was made (commit, machine with its load at the start and the end, precision, overrides). Records are kept in ``stability_map.json`` as they finish (``--restore`` continues from one); cells not
-started when ``--budget-s`` runs out are left for a later run and listed in the report.
+KL(old||new) and clip-region shares, each token quadrant's first-order entropy change (from 3b0dee5 on), the
+collapse guard's findings; the held-out accuracy before and after; the wall time; and how it was made (commit,
+machine with its load at the start and the end, precision, overrides). Records are kept in ``stability_map.json``
+as they finish (``--restore`` continues from one); cells not started when ``--budget-s`` runs out are left for a
+later run and listed in the report.
 
 Collapse, fixed before any run: a run *collapses* when the collapse guard (cegppo.algorithm.collapse, default
 bounds) names a failure at any step, or its final held-out accuracy is below 0.2.
