@@ -33,7 +33,8 @@ from pathlib import Path
 
 from cegppo.algorithm.diagnostics import QUADRANTS
 from common import RESULTS, command, load_now, provenance, provenance_line, write_results
-from common.entropy import METHODS, cell_key as key, mean_sem, per_step, pm, trainer_overrides, write_problems
+from common.entropy import (METHODS, cell_key as key, first, mean_sem, per_step, pm, trainer_overrides,
+                            write_problems)
 
 COLLAPSE_ACCURACY = 0.2  # final held-out accuracy below this: collapsed (with the guard's findings)
 MIN_SEEDS = 3  # per cell; the report lists the cells with fewer as provisional
@@ -246,7 +247,7 @@ def entropy_by_quadrant(runs: list[dict]) -> list[str]:
             rs = [r for r in keyed if r["method"] == m and r["lr"] == lr]
             if rs:
                 dh = [mean_sem([_sum(f"quadrant/{q}/dH", r) for r in rs])[0] for q in QUADRANTS]
-                moved = mean_sem([_last("entropy", r) - (r["steps"]["entropy"][0] or 0) for r in rs])[0]
+                moved = mean_sem([_last("entropy", r) - first(r["steps"]["entropy"]) for r in rs])[0]
                 lines.append(f"| {m} | {lr:g} | {len(rs)} | " + " | ".join(f"{v:+.3f}" for v in dh)
                              + f" | {mean_sem([_sum('dH/predicted', r) for r in rs])[0]:+.3f} | {moved:+.2f} |")
     return lines

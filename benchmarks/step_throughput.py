@@ -312,20 +312,19 @@ def timed_steps(runs: list[dict], warmup: int, system: str, rnd: int | None = No
             for st in r["steps"][warmup:]]
 
 
-def trained_tok_s(steps: list[dict]) -> float:
-    return sum(st["trained_tokens"] for st in steps) / sum(st["step_s"] for st in steps)
+def tokens_per_s(steps: list[dict], tokens: str = "trained_tokens", seconds: str = "step_s") -> float:
+    return sum(st[tokens] for st in steps) / sum(st[seconds] for st in steps)
 
 
 def summarize(runs: list[dict], warmup: int) -> dict:
     out = {}
     for system in dict.fromkeys(r["system"] for r in runs):
         timed = timed_steps(runs, warmup, system)
-        total = sum(st["step_s"] for st in timed)
         row = {k: statistics.fmean(st[k] for st in timed) for k in timed[0]}
         row.update(steps_timed=len(timed), step_s_min=min(st["step_s"] for st in timed),
-                   step_s_max=max(st["step_s"] for st in timed), generated_tok_s=sum(st["generated_tokens"] for st in timed) / total,
-                   trained_tok_s=trained_tok_s(timed),
-                   generate_tok_s=sum(st["generated_tokens"] for st in timed) / sum(st["generate_s"] for st in timed),
+                   step_s_max=max(st["step_s"] for st in timed), generated_tok_s=tokens_per_s(timed, "generated_tokens"),
+                   trained_tok_s=tokens_per_s(timed),
+                   generate_tok_s=tokens_per_s(timed, "generated_tokens", "generate_s"),
                    peak_rss_gib=max(r["peak_rss_gib"] for r in runs if r["system"] == system))
         if all("peak_gpu_gib" in r for r in runs):
             row["peak_gpu_gib"] = max(r["peak_gpu_gib"] for r in runs if r["system"] == system)
@@ -356,7 +355,7 @@ def round_ratios(runs: list[dict], warmup: int, system: str, reference: str) -> 
     judged against."""
     rounds = sorted({r.get("round", 0) for r in runs})
     pairs = [(timed_steps(runs, warmup, system, k), timed_steps(runs, warmup, reference, k)) for k in rounds]
-    return [trained_tok_s(a) / trained_tok_s(b) for a, b in pairs if a and b]
+    return [tokens_per_s(a) / tokens_per_s(b) for a, b in pairs if a and b]
 
 
 def goal_met(q: dict, memory: str) -> bool:
