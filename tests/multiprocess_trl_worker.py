@@ -99,12 +99,12 @@ def main() -> None:
                    os.path.join(out_dir, "tensors.pt"))
         with open(os.path.join(out_dir, "result.json"), "w") as f:
             json.dump({"logs": [h for h in trainer.state.log_history if "loss" in h], "tokens_per_rank": tokens}, f)
-    # Free the trainer (its DDP-wrapped model holds the gloo group) while the group is alive: left to interpreter
-    # teardown, a rank aborted after training had finished ("terminate called without an active exception") in 3 of
-    # 24 two-process runs here and once in CI, with the barrier and destroy_process_group below; 0 of 48 with this.
-    del trainer
-    gc.collect()
-    if world > 1:  # every rank leaves together: a rank exiting with gloo's threads alive aborts ("terminate called")
+    if world > 1:
+        # Every rank leaves together, with the gloo group destroyed and, first, the trainer freed (its DDP model holds
+        # the group): left to interpreter teardown, a rank aborted after training had finished ("terminate called
+        # without an active exception") in 3 of 24 two-process runs and once in CI; 0 of 48 with the trainer freed.
+        del trainer
+        gc.collect()
         torch.distributed.barrier()
         torch.distributed.destroy_process_group()
 
