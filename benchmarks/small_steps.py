@@ -77,6 +77,22 @@ def ratios(entropy: list[float | None]) -> list[float]:
     return [statistics.fmean(h[t - 4:t + 1]) / start for t in range(4, len(h))]
 
 
+def ratio_at(entropy: list[float | None], step: int) -> float:
+    """R_step / S on the steps' own numbering (steps without an entropy skipped inside the window); NaN when the
+    run has no entropy in that window. Descriptive only: no verdict reads it."""
+    h = [v for v in entropy if v is not None]
+    window = [v for v in entropy[max(step - 5, 0):step] if v is not None]
+    if len(h) < 3 or not window:
+        return float("nan")
+    return statistics.fmean(window) / statistics.fmean(h[:3])
+
+
+def first_eval_step(runs: list[dict]) -> int | None:
+    """The first evaluated step after 0 that every run reached (20 at 60 steps): the task is not yet saturated there."""
+    steps = [min((int(k) for k in r.get("evals", {}) if int(k) > 0), default=None) for r in runs]
+    return None if not steps or None in steps else min(steps)
+
+
 def beta_share(r: dict, upto: int | None = None) -> float:
     lo, hi = r["steps"]["mb_last/clip/low_frac"][:upto], r["steps"]["mb_last/clip/high_frac"][:upto]
     vals = [(a or 0.0) + (b or 0.0) for a, b in zip(lo, hi)]
@@ -105,9 +121,14 @@ def method_stats(runs: list[dict], method: str) -> dict:
     steps = min((len(r["steps"]["entropy"]) for r in rs), default=0)
     curve = [mean_sem([r["steps"]["entropy"][t] for r in rs if r["steps"]["entropy"][t] is not None])
              for t in range(steps)]
+    mid = first_eval_step(rs)
+    at_mid = [x for x in (ratio_at(r["steps"]["entropy"], mid) for r in rs) if not math.isnan(x)] if mid else []
+    length = [r["steps"]["response_length/mean"] for r in rs]
     return dict(method=method, seeds=len(rs), final_ratio=mean_sem([p[-1] for p in per]),
                 max_dev=mean_sem([max(abs(x - 1) for x in p) for p in per]), accuracy=mean_sem(last_eval),
-                curve=curve)
+                curve=curve, mid_step=mid, mid_ratio=mean_sem(at_mid),
+                length_first=mean_sem([statistics.fmean(v for v in x[:3] if v is not None) for x in length]),
+                length_last=mean_sem([statistics.fmean(v for v in x[-5:] if v is not None) for x in length]))
 
 
 def verdicts(runs: list[dict]) -> dict[str, dict]:
@@ -262,13 +283,17 @@ def report(result: dict) -> str:
         lines.append(f"\nLargest qualifying learning rate: {max(ok):g}\n" if ok else
                      "\nNo learning rate tried qualifies (yet).\n")
     if result["runs"]:
-        lines += ["## Methods\n", "| method | seeds | R_last/S | max \\|R_t/S - 1\\| | held-out accuracy, last step |",
-                  "|---|---|---|---|---|"]
+        lines += ["## Methods\n", "| method | seeds | R_last/S | max \\|R_t/S - 1\\| | held-out accuracy, last step "
+                  "| R/S at the first evaluated step | response length, steps 1-3 -> last 5 |", "|---|---|---|---|---|---|---|"]
         for m in PAPER_METHODS:
             s = method_stats(result["runs"], m)
             if s["seeds"]:
                 lines.append(f"| {m} | {s['seeds']} | {pm(s['final_ratio'])} | {pm(s['max_dev'])} | "
-                             f"{pm(s['accuracy'])} |")
+                             f"{pm(s['accuracy'])} | {pm(s['mid_ratio'])} (step {s['mid_step']}) | "
+                             f"{pm(s['length_first'], 1)} -> {pm(s['length_last'], 1)} |")
+        lines += ["\nThe last two columns are descriptive (no verdict reads them): the entropy ratio where the task is "
+                  "not yet saturated, and the responses' length in tokens (the cap is the setting's max_new_tokens; "
+                  "answer-only responses are shorter), since a run's entropy is a mean over the tokens it generated."]
         lines += ["\nHeld-out accuracy at each evaluated step (mean ± SE over seeds; no verdict reads the earlier "
                   "steps, they show where the methods part before the task saturates):\n"] + held_out_table(result["runs"])
         seeds = {m: method_stats(result["runs"], m)["seeds"] for m in PAPER_METHODS}

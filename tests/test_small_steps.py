@@ -105,3 +105,25 @@ def test_two_benchmarks_sharing_one_out_keep_each_others_records(tmp_path):
     assert [p.wait(timeout=120) for p in procs] == [0, 0]
     seeds = sorted(r["seed"] for r in json.loads(records.read_text())["runs"])
     assert seeds == [0, *range(100, 160), *range(200, 260)]
+
+
+def test_descriptive_columns_on_known_records():
+    """The entropy ratio at the first evaluated step and the response length first -> last, on records of known answer
+    (steps without an entropy are skipped inside the window, not counted as zero)."""
+    entropy = [2.0, 2.0, 2.0] + [1.0] * 17 + [None] * 40
+    assert ss.ratio_at(entropy, 20) == 0.5  # steps 16-20 at 1.0 against a start of 2.0
+    assert ss.ratio_at(entropy, 40) != ss.ratio_at(entropy, 40)  # nothing measured in steps 36-40: NaN
+    assert ss.ratio_at([2.0, None, 2.0, 2.0, None, 1.0, 1.0], 7) == 0.75  # steps 3-7: mean 1.5; start: the first 3 measured
+    runs = []
+    for seed, (mid, length_last) in enumerate([(0.5, 8.0), (0.7, 10.0)]):
+        r = record("GRPO", seed, [1.0] * 15 + [mid] * 45, 1.0)
+        r["evals"] = {"0": 0.4, "20": 0.9, "40": 1.0, "60": 1.0}
+        r["steps"]["response_length/mean"] = [40.0] * 55 + [length_last] * 5
+        runs.append(r)
+    assert ss.first_eval_step(runs) == 20
+    s = ss.method_stats(runs, "GRPO")
+    assert abs(s["mid_ratio"][0] - 0.6) < 1e-12 and abs(s["mid_ratio"][1] - 0.1) < 1e-12
+    assert s["length_first"] == (40.0, 0.0) and s["length_last"][0] == 9.0
+    text = ss.report(dict(runs=runs, pilot=[], command="x", commit="c", date="d", machine={}, precision="fp32",
+                          settings={}))
+    assert "| 0.600 ± 0.100 (step 20) | 40.0 ± 0.0 -> 9.0 ± 1.0 |" in text
