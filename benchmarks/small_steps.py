@@ -347,7 +347,9 @@ def plot(result: dict, out: Path) -> None:
         ax.plot(range(1, len(r["steps"]["entropy"]) + 1), r["steps"]["entropy"], ls=":",
                 label=f"pilot: GRPO lr {r['lr']:g}, seed {r['seed']}")
     ax.set_xlabel("step")
-    ax.set_ylabel("token entropy of the rollouts (mean ± SE over seeds)")
+    ax.set_ylabel("rollout token entropy (mean ± SE over seeds)")
+    # A step whose groups were all solved makes no update and logs no entropy: later points average fewer seeds.
+    ax.set_title("steps without an update are left out of the mean", fontsize=9)
     ax.legend()
     fig.tight_layout()
     fig.savefig(out / "small_steps.png", dpi=110)
