@@ -68,29 +68,37 @@ def sizes(args) -> dict:
 
 # ---- the rules (pure functions of records; tests/test_small_steps.py checks them on records of known answer) ----
 
+def measured(entropy: list[float | None]) -> list[float]:
+    """The steps that measured an entropy (a step that made no update logs none)."""
+    return [v for v in entropy if v is not None]
+
+
+def start(entropy: list[float | None]) -> float:
+    """S: the mean of the first three measured entropies."""
+    return statistics.fmean(measured(entropy)[:3])
+
+
 def ratios(entropy: list[float | None]) -> list[float]:
     """R_t / S for t = 5.. (see the module docstring); empty when fewer than 5 steps measured an entropy."""
-    h = [v for v in entropy if v is not None]
+    h = measured(entropy)
     if len(h) < 5:
         return []
-    start = statistics.fmean(h[:3])
-    return [statistics.fmean(h[t - 4:t + 1]) / start for t in range(4, len(h))]
+    s = start(h)
+    return [statistics.fmean(h[t - 4:t + 1]) / s for t in range(4, len(h))]
 
 
 def ratio_at(entropy: list[float | None], step: int) -> float:
     """R_step / S on the steps' own numbering (steps without an entropy skipped inside the window); NaN when the
     run has no entropy in that window. Descriptive only: no verdict reads it."""
-    h = [v for v in entropy if v is not None]
-    window = [v for v in entropy[max(step - 5, 0):step] if v is not None]
-    if len(h) < 3 or not window:
+    window = measured(entropy[max(step - 5, 0):step])
+    if len(measured(entropy)) < 3 or not window:
         return float("nan")
-    return statistics.fmean(window) / statistics.fmean(h[:3])
+    return statistics.fmean(window) / start(entropy)
 
 
 def first_eval_step(runs: list[dict]) -> int | None:
-    """The first evaluated step after 0 that every run reached (20 at 60 steps): the task is not yet saturated there."""
-    steps = [min((int(k) for k in r.get("evals", {}) if int(k) > 0), default=None) for r in runs]
-    return None if not steps or None in steps else min(steps)
+    """The earliest evaluated step after 0 (20 at 60 steps): the task is not yet saturated there."""
+    return min((int(k) for r in runs for k in r.get("evals", {}) if int(k) > 0), default=None)
 
 
 def beta_share(r: dict, upto: int | None = None) -> float:

@@ -114,6 +114,7 @@ def test_descriptive_columns_on_known_records():
     assert ss.ratio_at(entropy, 20) == 0.5  # steps 16-20 at 1.0 against a start of 2.0
     assert ss.ratio_at(entropy, 40) != ss.ratio_at(entropy, 40)  # nothing measured in steps 36-40: NaN
     assert ss.ratio_at([2.0, None, 2.0, 2.0, None, 1.0, 1.0], 7) == 0.75  # steps 3-7: mean 1.5; start: the first 3 measured
+    assert abs(ss.ratio_at([3.0, 2.0, 1.0, 1.0, 1.0], 5) - 0.8) < 1e-12  # S is the mean of three steps (2.0), not two
     runs = []
     for seed, (mid, length_last) in enumerate([(0.5, 8.0), (0.7, 10.0)]):
         r = record("GRPO", seed, [1.0] * 15 + [mid] * 45, 1.0)
