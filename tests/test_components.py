@@ -268,7 +268,8 @@ def test_token_stats_compute_only_the_columns_their_rows_use(tiny_config):
     from cegppo.engine.model_forward import sequence_token_stats
     from cegppo.engine.trainer import Trainer
 
-    with Trainer(tiny_config("train.steps=1", "rollout.max_new_tokens=24", "train.micro_batch_size=3")) as tr:
+    with Trainer(tiny_config("train.steps=1", "rollout.max_new_tokens=24", "train.micro_batch_size=3",
+                             "train.shared_prompt_tokens=0")) as tr:  # the padded rows (packs: test_prompt_sharing)
         exp, _ = tr.collect(step=1)
         rb = exp.rollouts
         prompt_len, response_len = rb.lengths
@@ -293,7 +294,8 @@ def test_micro_batch_tokens_bound_each_forward_pass(tiny_config):
     (a single row may exceed it), every row once, longest first; the row limit still applies."""
     from cegppo.engine.trainer import Trainer
 
-    with Trainer(tiny_config("train.steps=1", "rollout.max_new_tokens=24", "train.micro_batch_size=5")) as tr:
+    with Trainer(tiny_config("train.steps=1", "rollout.max_new_tokens=24", "train.micro_batch_size=5",
+                             "train.shared_prompt_tokens=0")) as tr:  # the padded rows (packs: test_prompt_sharing)
         exp, _ = tr.collect(step=1)
         rb = exp.rollouts
         prompt_len, response_len = rb.lengths

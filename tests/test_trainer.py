@@ -57,7 +57,8 @@ def test_clipping_occurs_when_minibatches_go_off_policy(tiny_config):
     assert r["clip/low_frac"] == 0 and r["clip/high_frac"] == 0 and abs(r["ppo_kl"]) < 1e-6
 
 
-@pytest.mark.parametrize("smaller", ["train.micro_batch_size=3", "train.micro_batch_tokens=150"])
+@pytest.mark.parametrize("smaller", ["train.micro_batch_size=3", "train.micro_batch_tokens=150",
+                                     "train.shared_prompt_tokens=0", "train.shared_prompt_tokens=20"])
 def test_micro_batch_invariance_of_the_update(tiny_config, tmp_path, smaller):
     params = []
     for name, micro in (("m16", "train.micro_batch_size=16"), ("small", smaller)):

@@ -178,6 +178,9 @@ class TrainConfig:
     micro_batch_size: int = key(16, ge=1, le=MAX_SEQUENCES)  # sequences per forward/backward (the global token-mean stays exact)
     # > 0: also at most this many (rows x columns) tokens per forward/backward
     micro_batch_tokens: int = key(0, ge=0, le=MAX_BATCH_TOKENS, note="0 = rows only")
+    # > 0: the responses to one prompt are computed with the prompt once, packed (prompt, then responses) into sequences
+    # of at most this many tokens (cegppo.engine.prompt_sharing: the same log-probs and gradients, less work). 0 = off
+    shared_prompt_tokens: int = key(1024, ge=0, le=MAX_BATCH_TOKENS, note="0 = off")
     save_every: int = key(10, ge=0, note="0 = no checkpoints")
     keep_checkpoints: int = key(2, ge=1)
     max_bad_steps: int = key(3, ge=1)  # stop after this many consecutive steps with a non-finite loss or gradient

@@ -34,13 +34,13 @@ def fused_head_supported(model: torch.nn.Module) -> bool:
     """Whether ``sequence_token_stats(..., fused_head=True)`` can run on ``model``: a model type known to compute
     its logits as a plain ``lm_head(hidden)`` (no soft-capping or scaling after it), with an ``nn.Linear`` head."""
     try:
-        _output_layer(model)
+        output_layer(model)
     except NotImplementedError:
         return False
     return True
 
 
-def _output_layer(model: torch.nn.Module) -> torch.nn.Linear:
+def output_layer(model: torch.nn.Module) -> torch.nn.Linear:
     model_type = getattr(getattr(model, "config", None), "model_type", None)
     if model_type not in FUSED_HEAD_MODEL_TYPES:
         raise NotImplementedError(
@@ -85,7 +85,7 @@ def sequence_token_stats(
     """
     tokens = input_ids[:, -response_len:]
     if fused_head:
-        head = _output_layer(model)
+        head = output_layer(model)
         hidden = response_hidden(model, input_ids, attention_mask, response_len)
         return linear_token_stats(hidden, head.weight, head.bias, tokens, temperature, chunk_rows, collision)
     if chunk_rows is None:

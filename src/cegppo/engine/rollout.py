@@ -72,6 +72,13 @@ class RolloutBatch:
         prompt = self.attention_mask[:, : self.input_ids.shape[1] - self.response_len].sum(-1)
         return prompt.tolist(), self.response_mask.sum(-1).tolist()
 
+    @cached_property
+    def prompt_group(self) -> list[int]:
+        """Per row: an id shared by exactly the rows with the same prompt (tokens and padding), computed once."""
+        width = self.input_ids.shape[1] - self.response_len
+        prompts = torch.cat([self.input_ids[:, :width], self.attention_mask[:, :width].long()], 1)
+        return torch.unique(prompts, dim=0, return_inverse=True)[1].tolist()
+
     def to(self, device: torch.device | str) -> "RolloutBatch":
         """The batch's tensors on ``device`` (the trainer's: the generators return host tensors)."""
         return replace(self, **{f.name: getattr(self, f.name).to(device) for f in fields(self)

@@ -64,7 +64,7 @@ FIXED_KEYS = (
 MUTABLE_KEYS = (
     "output_dir",
     "train.steps", "train.save_every", "train.keep_checkpoints", "train.max_bad_steps", "train.micro_batch_size",
-    "train.micro_batch_tokens",
+    "train.micro_batch_tokens", "train.shared_prompt_tokens",
     "train.threads", "train.deterministic", "train.on_collapse",
     "optim.lr", "optim.grad_clip",
     "eval.*", "logging.*",

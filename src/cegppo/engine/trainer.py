@@ -29,6 +29,7 @@ from cegppo.engine.collect import collect
 from cegppo.engine.components import (DataOrder, build_optimizer, build_policy, build_reference, build_reward,
                                       build_rollout, configure_torch, load_splits, set_lr, weights_finite)
 from cegppo.engine.model_forward import fused_head_supported
+from cegppo.engine.prompt_sharing import prompt_sharing_supported, shared_prompt_micro_batches, shared_prompt_token_stats
 from cegppo.engine.precision import resolve_device, resolve_precision
 from cegppo.engine.reporter import Reporter, Silent
 from cegppo.engine.rollout import RolloutBatch
@@ -79,6 +80,8 @@ class Trainer:
             self.model.gradient_checkpointing_enable()
         self.precision = resolve_precision(cfg.model.precision, self.device)
         self.fused_head = fused_head_supported(self.model) if cfg.model.fused_lm_head == "auto" else cfg.model.fused_lm_head
+        # the responses to a prompt computed with the prompt once, on models whose attention mask we can write
+        self.shared_prompt = cfg.train.shared_prompt_tokens > 0 and prompt_sharing_supported(self.model)
         self.optimizer, self.scheduler = build_optimizer(cfg.optim, self.model)
         self.state = {"step": 0, "cursor": 0, "bad_steps": 0}
         if resume_from is not None:
@@ -183,13 +186,22 @@ class Trainer:
         return exp, stats
 
     def token_stats(self, model: torch.nn.Module, rb: RolloutBatch, rows: Tensor, collision: bool = False):
-        """:func:`column_token_stats` of ``rows`` at the sampling temperature, in this run's precision."""
-        return column_token_stats(model, rb, rows, self.cfg.rollout.temperature, self.precision, self.fused_head,
-                                  collision)
+        """Per-token statistics of ``rows`` at the sampling temperature, in this run's precision: packed with their
+        prompt once (:func:`shared_prompt_token_stats`) or in padded rows (:func:`column_token_stats`)."""
+        t = self.cfg.rollout.temperature
+        if self.shared_prompt:
+            return shared_prompt_token_stats(model, rb, rows, t, self.precision, self.fused_head,
+                                             self.cfg.train.shared_prompt_tokens, collision)
+        return column_token_stats(model, rb, rows, t, self.precision, self.fused_head, collision)
 
     def micro_batches(self, rb: RolloutBatch, rows: Tensor) -> list[Tensor]:
-        """:func:`micro_batches` under ``train.micro_batch_size`` and ``train.micro_batch_tokens``."""
-        return micro_batches(rb, rows, self.cfg.train.micro_batch_size, self.cfg.train.micro_batch_tokens)
+        """Micro-batches under ``train.micro_batch_size`` and ``train.micro_batch_tokens``, of whole packs when the
+        prompt is shared."""
+        tr = self.cfg.train
+        if self.shared_prompt:
+            return shared_prompt_micro_batches(rb, rows, tr.micro_batch_size, tr.micro_batch_tokens,
+                                               tr.shared_prompt_tokens)
+        return micro_batches(rb, rows, tr.micro_batch_size, tr.micro_batch_tokens)
 
     def old_log_probs(self, exp: Experience, skip: Tensor) -> Tensor:
         """:func:`fill_old_log_probs` of every row but ``skip`` (which :meth:`update` fills on-policy)."""

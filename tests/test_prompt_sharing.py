@@ -1,0 +1,120 @@
+"""The responses to one prompt computed with the prompt once (cegppo.engine.prompt_sharing): the same per-token
+log-probs, entropies, collision terms and parameter gradients as the padded rows, on real rollouts of the tiny
+model, whole packs per micro-batch within the row and token budgets, and the padded rows where a model's mask cannot
+be written."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from cegppo.engine.batching import column_token_stats
+from cegppo.engine.prompt_sharing import (packs, prompt_sharing_supported, shared_prompt_micro_batches,
+                                          shared_prompt_token_stats)
+from cegppo.engine.trainer import Trainer
+
+
+@pytest.fixture(scope="module")
+def rollouts(tmp_path_factory):
+    """A trainer on the tiny model and one step's rollouts: 4 prompts x 4 responses of different lengths."""
+    from cegppo.cli import example_config
+    from cegppo.config import load_config
+
+    out = tmp_path_factory.mktemp("sharing") / "run"
+    cfg = load_config(example_config("tiny"), [f"output_dir={out}", "reward.fn=fixtures.rewards:digit_overlap",
+                                               "sft.steps=0", "data.num_test=4", "eval.num_problems=4",
+                                               "logging.progress=false", "train.prompts_per_step=4",
+                                               "rollout.max_new_tokens=24"])
+    with Trainer(cfg) as tr:
+        exp, _ = tr.collect(step=1)
+        yield tr, exp.rollouts
+
+
+def _loss(stats, rb, rows):
+    """A loss that weighs every statistic differently per token, so that any misplaced gradient shows."""
+    lp, ent, _ = stats
+    g = torch.Generator().manual_seed(0)
+    m = rb.response_mask[rows]
+    w = torch.randn(lp.shape, generator=g)
+    return (w * m * lp).sum() + (w.flip(-1) * m * ent).sum()
+
+
+@pytest.mark.parametrize("pack_tokens", [1024, 20, 1])  # one pack per prompt; packs split; one response per pack
+def test_packs_give_the_padded_rows_statistics_and_gradients(rollouts, pack_tokens):
+    tr, rb = rollouts
+    prompt_len, response_len = rb.lengths
+    assert len(set(rb.prompt_group)) == 4 and len(set(response_len)) > 1
+    rows = torch.tensor([5, 0, 1, 2, 3, 9, 4, 15, 12, 13])  # groups split and out of order
+    plan = packs(rb, rows.tolist(), pack_tokens)
+    if pack_tokens == 1024:
+        assert len(plan) == 4
+    elif pack_tokens == 1:
+        assert all(len(p.rows) == 1 for p in plan)
+    else:
+        assert len(plan) > 4
+    params = [p for p in tr.model.parameters() if p.requires_grad]
+    want = column_token_stats(tr.model, rb, rows, 0.8, "fp32", tr.fused_head, collision=True)
+    want_grad = torch.autograd.grad(_loss(want, rb, rows), params)
+    got = shared_prompt_token_stats(tr.model, rb, rows, 0.8, "fp32", tr.fused_head, pack_tokens, collision=True)
+    got_grad = torch.autograd.grad(_loss(got, rb, rows), params)
+    m = rb.response_mask[rows].bool()
+    for w, g in zip(want, got):
+        torch.testing.assert_close(g[m], w[m], rtol=1e-5, atol=1e-5)
+        assert not g[~m].any()  # zero past each response
+    for w, g in zip(want_grad, got_grad):
+        torch.testing.assert_close(g, w, rtol=1e-4, atol=1e-5 * float(w.abs().max()))
+
+
+def test_packs_with_gradient_checkpointing_and_the_unfused_head(rollouts):
+    tr, rb = rollouts
+    rows = torch.arange(8)
+    tr.model.gradient_checkpointing_enable()
+    try:
+        want = column_token_stats(tr.model, rb, rows, 1.0, "fp32", False)
+        got = shared_prompt_token_stats(tr.model, rb, rows, 1.0, "fp32", False, 1024)
+        params = list(tr.model.parameters())
+        want_grad = torch.autograd.grad(_loss(want, rb, rows), params)
+        got_grad = torch.autograd.grad(_loss(got, rb, rows), params)
+    finally:
+        tr.model.gradient_checkpointing_disable()
+    m = rb.response_mask[rows].bool()
+    torch.testing.assert_close(got[0][m], want[0][m], rtol=1e-5, atol=1e-5)
+    for w, g in zip(want_grad, got_grad):
+        torch.testing.assert_close(g, w, rtol=1e-4, atol=1e-5 * float(w.abs().max()))
+
+
+@pytest.mark.parametrize("max_rows,max_tokens,pack_tokens", [(16, 0, 1024), (3, 0, 1024), (16, 60, 1024),
+                                                             (16, 0, 25), (5, 80, 30)])
+def test_micro_batches_hold_whole_packs_within_their_budgets(rollouts, max_rows, max_tokens, pack_tokens):
+    _, rb = rollouts
+    prompt_len, response_len = rb.lengths
+    rows = torch.arange(len(response_len))
+    batches = shared_prompt_micro_batches(rb, rows, max_rows, max_tokens, pack_tokens)
+    assert sorted(torch.cat(batches).tolist()) == rows.tolist()  # every row once
+    lengths = []
+    for mb in batches:
+        plan = packs(rb, mb.tolist(), pack_tokens, max_rows)
+        assert len(mb) <= max_rows
+        longest = max(p.length for p in plan)
+        assert len(plan) == 1 or not max_tokens or len(plan) * longest <= max_tokens
+        for p in plan:
+            assert len({rb.prompt_group[i] for i in p.rows}) == 1  # one prompt per pack
+            assert p.length == prompt_len[p.rows[0]] + sum(max(response_len[i], 1) - 1 for i in p.rows)
+            assert len(p.rows) == 1 or p.length <= pack_tokens
+        lengths.append(longest)
+    assert lengths == sorted(lengths, reverse=True)  # longest first
+    if max_rows == 16 and not max_tokens and pack_tokens == 1024:
+        assert len(batches) == 1  # 16 rows, 4 prompts: one forward pass of 4 packs
+
+
+def test_models_whose_mask_cannot_be_written_run_the_padded_rows(rollouts, monkeypatch):
+    tr, _ = rollouts
+    assert prompt_sharing_supported(tr.model) and tr.shared_prompt
+    monkeypatch.setattr(tr.model.config, "_attn_implementation", "flex_attention")
+    assert not prompt_sharing_supported(tr.model)
+    monkeypatch.undo()
+    monkeypatch.setattr(tr.model.config, "layer_types", ["full_attention", "sliding_attention"])
+    assert not prompt_sharing_supported(tr.model)
+    monkeypatch.undo()
+    monkeypatch.setattr(tr.model.config, "model_type", "gpt2")
+    assert not prompt_sharing_supported(tr.model)
