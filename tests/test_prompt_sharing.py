@@ -118,3 +118,20 @@ def test_models_whose_mask_cannot_be_written_run_the_padded_rows(rollouts, monke
     monkeypatch.undo()
     monkeypatch.setattr(tr.model.config, "model_type", "gpt2")
     assert not prompt_sharing_supported(tr.model)
+
+
+def test_the_trainer_keeps_packs_within_its_token_budget(rollouts, monkeypatch):
+    """With train.micro_batch_tokens below train.shared_prompt_tokens, no pack passes the budget (but a single response
+    may), so the budget still bounds a micro-batch's activations."""
+    tr, rb = rollouts
+    prompt_len, response_len = rb.lengths
+    budget = max(prompt_len) + 2 * max(response_len)  # two responses fit in a pack, not a whole group of four
+    monkeypatch.setattr(tr.cfg.train, "micro_batch_tokens", budget)
+    assert tr.pack_tokens == budget < tr.cfg.train.shared_prompt_tokens
+    batches = tr.micro_batches(rb, torch.arange(len(response_len)))
+    assert sorted(torch.cat(batches).tolist()) == list(range(len(response_len)))
+    for mb in batches:
+        plan = packs(rb, mb.tolist(), tr.pack_tokens, tr.cfg.train.micro_batch_size)
+        assert all(p.length <= budget or len(p.rows) == 1 for p in plan)
+        assert len(plan) * max(p.length for p in plan) <= budget or len(plan) == 1
+    assert any(len(p.rows) > 1 for mb in batches for p in packs(rb, mb.tolist(), tr.pack_tokens))  # still shared

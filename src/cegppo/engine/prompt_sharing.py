@@ -2,20 +2,20 @@
 
 GRPO samples n responses per prompt, and a padded row per response makes the update's forward and backward passes
 (and the old-log-prob pass) run each prompt n times: with the quickstart's short answers, half of the tokens computed
-are prompt copies. A *pack* holds the prompt's tokens once, then several of its responses one after another. A 4-D
-attention mask lets each response token see the prompt and the earlier tokens of its own response, nothing else,
-and its position ids continue from the prompt as in its own row. Every response token so has the context and
-positions it has in its padded row, and its log-prob and entropy are the same function of the weights; the gradient
-through the shared prompt is the sum of the responses' gradients, which is what the padded rows sum to.
-``tests/test_prompt_sharing.py`` checks log-probs, entropies and gradients against
+are prompt copies. A *pack* holds the prompt's tokens once, then several of its responses one after another (the
+idea of PrefixGrouper, 2025). A 4-D attention mask lets each response token see the prompt and the earlier tokens of
+its own response, nothing else, and its position ids continue from the prompt as in its own row. Every response
+token so has the context and positions it has in its padded row, and its log-prob and entropy are the same function
+of the weights; the gradient through the shared prompt is the sum of the responses' gradients, which is what the
+padded rows sum to. ``tests/test_prompt_sharing.py`` checks log-probs, entropies and gradients against
 :func:`cegppo.engine.batching.column_token_stats`.
 
 Attention over a pack is quadratic in its length, so a pack holds at most ``train.shared_prompt_tokens`` tokens: a
 response that would pass it starts a new pack with the prompt again. With long responses that leaves one response
 per pack, which costs what the padded row costs (without its padding).
 
-Only model types known to take a custom 4-D mask and explicit position ids as given (no sliding window, no packing
-of their own) are packed; the others run the padded rows (:func:`prompt_sharing_supported`).
+Only model types known to take a custom 4-D mask and explicit position ids as given (full attention in every layer)
+are packed; the others run the padded rows (:func:`prompt_sharing_supported`).
 """
 
 from __future__ import annotations

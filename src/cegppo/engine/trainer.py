@@ -190,8 +190,8 @@ class Trainer:
         prompt once (:func:`shared_prompt_token_stats`) or in padded rows (:func:`column_token_stats`)."""
         t = self.cfg.rollout.temperature
         if self.shared_prompt:
-            return shared_prompt_token_stats(model, rb, rows, t, self.precision, self.fused_head,
-                                             self.cfg.train.shared_prompt_tokens, collision)
+            return shared_prompt_token_stats(model, rb, rows, t, self.precision, self.fused_head, self.pack_tokens,
+                                             collision)
         return column_token_stats(model, rb, rows, t, self.precision, self.fused_head, collision)
 
     def micro_batches(self, rb: RolloutBatch, rows: Tensor) -> list[Tensor]:
@@ -199,9 +199,15 @@ class Trainer:
         prompt is shared."""
         tr = self.cfg.train
         if self.shared_prompt:
-            return shared_prompt_micro_batches(rb, rows, tr.micro_batch_size, tr.micro_batch_tokens,
-                                               tr.shared_prompt_tokens)
+            return shared_prompt_micro_batches(rb, rows, tr.micro_batch_size, tr.micro_batch_tokens, self.pack_tokens)
         return micro_batches(rb, rows, tr.micro_batch_size, tr.micro_batch_tokens)
+
+    @property
+    def pack_tokens(self) -> int:
+        """The longest pack: ``train.shared_prompt_tokens``, and no more than ``train.micro_batch_tokens`` (when set),
+        so that the memory bound of a micro-batch holds with packs as with padded rows."""
+        tr = self.cfg.train
+        return min(tr.shared_prompt_tokens, tr.micro_batch_tokens or tr.shared_prompt_tokens)
 
     def old_log_probs(self, exp: Experience, skip: Tensor) -> Tensor:
         """:func:`fill_old_log_probs` of every row but ``skip`` (which :meth:`update` fills on-policy)."""
