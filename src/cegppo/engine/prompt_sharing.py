@@ -122,23 +122,23 @@ def shared_prompt_token_stats(model: torch.nn.Module, rb: RolloutBatch, rows: Te
     idx = rows.tolist()
     plan = packs(rb, idx, pack_tokens)
     n, L, T = len(plan), max(p.length for p in plan), rb.response_len
-    device = rb.input_ids.device
-    ids = torch.zeros(n, L, dtype=torch.long, device=device)
-    positions = torch.zeros(n, L, dtype=torch.long, device=device)
-    segment = torch.full((n, L), -1, dtype=torch.long, device=device)
+    device, host_ids = rb.input_ids.device, rb.input_ids.cpu()  # the packs are laid out on the host, then moved
+    ids = torch.zeros(n, L, dtype=torch.long)
+    positions = torch.zeros(n, L, dtype=torch.long)
+    segment = torch.full((n, L), -1, dtype=torch.long)
     source: list[Tensor] = []  # per response: the flat pack positions whose hidden states predict its tokens
     token: list[Tensor] = []  # per response: its tokens' flat positions in the batch's [B * T] responses
     target: list[Tensor] = []  # per response: where its tokens' statistics go in the flat [len(rows) * T] output
     out_row = {i: r for r, i in enumerate(idx)}
     for k, pack in enumerate(plan):
         P = prompt_len[pack.rows[0]]
-        ids[k, :P] = rb.input_ids[pack.rows[0], width - P : width]
+        ids[k, :P] = host_ids[pack.rows[0], width - P : width]
         positions[k, :P] = torch.arange(P)
         segment[k, :P] = 0
         at = P
         for s, i in enumerate(pack.rows, 1):
             r = max(response_len[i], 1)  # as column_token_stats: an empty response still yields one (masked) token
-            ids[k, at : at + r - 1] = rb.input_ids[i, width : width + r - 1]
+            ids[k, at : at + r - 1] = host_ids[i, width : width + r - 1]
             positions[k, at : at + r - 1] = torch.arange(P, P + r - 1)
             segment[k, at : at + r - 1] = s
             source.append(torch.cat([torch.tensor([P - 1]), torch.arange(at, at + r - 1)]) + k * L)
@@ -146,9 +146,9 @@ def shared_prompt_token_stats(model: torch.nn.Module, rb: RolloutBatch, rows: Te
             target.append(torch.arange(r) + out_row[i] * T)
             at += r - 1
     source_idx, target_idx = torch.cat(source).to(device), torch.cat(target).to(device)
-    tokens = rb.input_ids[:, width:].reshape(-1)[torch.cat(token).to(device)]
-    kind = _MASKS[model.config._attn_implementation]
-    mask = _attention_mask(segment, kind, next(model.parameters()).dtype)
+    tokens = host_ids[:, width:].reshape(-1)[torch.cat(token)].to(device)
+    ids, positions, segment = ids.to(device), positions.to(device), segment.to(device)
+    mask = _attention_mask(segment, _MASKS[model.config._attn_implementation], next(model.parameters()).dtype)
     with autocast(precision, model):
         hidden = model.get_decoder()(input_ids=ids, attention_mask=mask, position_ids=positions,
                                      use_cache=False).last_hidden_state
