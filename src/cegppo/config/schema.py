@@ -23,6 +23,7 @@ MAX_GROUP = 1 << 16  # samples of one prompt (rollout.n, eval.k)
 MAX_SEQUENCES = 1 << 20  # prompts or sequences in one batch
 MAX_PROBLEMS = 1 << 20  # problems a built-in task generates, in memory
 MAX_BATCH_TOKENS = 1 << 31  # tokens of one generation batch: past 32-bit tensor indexing (checked across keys)
+MAX_PACK_TOKENS = 1 << 14  # train.shared_prompt_tokens: a pack's [L, L] attention mask is held whole (256 MiB here)
 MAX_SCORE = 1e6  # |reward|: the advantages' variance and the loss stay far inside bf16 / fp32 range
 # logits are divided by the temperature: at 1e-4 sampling is already greedy in effect, far below it they overflow
 MIN_TEMPERATURE = 1e-4
@@ -180,7 +181,7 @@ class TrainConfig:
     micro_batch_tokens: int = key(0, ge=0, le=MAX_BATCH_TOKENS, note="0 = rows only")
     # > 0: the responses to one prompt are computed with the prompt once, packed (prompt, then responses) into sequences
     # of at most this many tokens (cegppo.engine.prompt_sharing: the same log-probs and gradients, less work). 0 = off
-    shared_prompt_tokens: int = key(1024, ge=0, le=MAX_BATCH_TOKENS, note="0 = off")
+    shared_prompt_tokens: int = key(1024, ge=0, le=MAX_PACK_TOKENS, note="0 = off")
     save_every: int = key(10, ge=0, note="0 = no checkpoints")
     keep_checkpoints: int = key(2, ge=1)
     max_bad_steps: int = key(3, ge=1)  # stop after this many consecutive steps with a non-finite loss or gradient
