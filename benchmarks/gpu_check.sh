@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The GPU check (issue 42), on the bundled SmolLM2-135M-Instruct, nothing downloaded, under 8 minutes on one GPU.
 # Four parts, each time-boxed and independent (one failing does not stop the others), chosen with --parts:
-#   oracle      the objective family's exactness tests on CUDA tensors (tests/test_objectives.py, CEGPPO_TEST_DEVICE=cuda)
+#   oracle      the objective family's exactness tests and prompt sharing's equivalence on CUDA (tests/test_objectives.py,
+#               tests/test_prompt_sharing.py, CEGPPO_TEST_DEVICE=cuda)
 #   trl         the TRL adapter (CEGPPOTrainer) training 2 off-policy steps on CUDA (tests/test_trl_integration.py)
 #   quickstart  `cegppo train quickstart model.device=cuda`: the warm-start, 5 RL steps, the three evaluations
 #   map         the stability map on the GPU (benchmarks/stability_map.py; MAP_PARALLEL, MAP_BUDGET_S, MAP_ARGS)
@@ -94,8 +95,8 @@ run_part() {  # run_part NAME SECONDS CMD...: time-boxed; a failure is logged an
 }
 
 if want oracle; then
-    run_part oracle 120 env CEGPPO_TEST_DEVICE=$dev python3 -m pytest -q -p no:cacheprovider tests/test_objectives.py \
-        --junitxml "$out/pytest_oracle.xml"
+    run_part oracle 150 env CEGPPO_TEST_DEVICE=$dev python3 -m pytest -q -p no:cacheprovider tests/test_objectives.py \
+        tests/test_prompt_sharing.py --junitxml "$out/pytest_oracle.xml"
 fi
 if want trl; then
     run_part trl 150 env CEGPPO_TEST_DEVICE=$dev python3 -m pytest -q -p no:cacheprovider tests/test_trl_integration.py \

@@ -1,7 +1,7 @@
 """The responses to one prompt computed with the prompt once (cegppo.engine.prompt_sharing): the same per-token
 log-probs, entropies, collision terms and parameter gradients as the padded rows, on real rollouts of the tiny
 model, whole packs per micro-batch within the row and token budgets, and the padded rows where a model's mask cannot
-be written."""
+be written. On CEGPPO_TEST_DEVICE (cpu unless benchmarks/gpu_check.sh asks for cuda)."""
 
 from __future__ import annotations
 
@@ -12,6 +12,8 @@ from cegppo.engine.batching import column_token_stats
 from cegppo.engine.prompt_sharing import (packs, prompt_sharing_supported, shared_prompt_micro_batches,
                                           shared_prompt_token_stats)
 from cegppo.engine.trainer import Trainer
+
+from conftest import TEST_DEVICE
 
 
 @pytest.fixture(scope="module")
@@ -24,10 +26,10 @@ def rollouts(tmp_path_factory):
     cfg = load_config(example_config("tiny"), [f"output_dir={out}", "reward.fn=fixtures.rewards:digit_overlap",
                                                "sft.steps=0", "data.num_test=4", "eval.num_problems=4",
                                                "logging.progress=false", "train.prompts_per_step=4",
-                                               "rollout.max_new_tokens=24"])
+                                               "rollout.max_new_tokens=24", f"model.device={TEST_DEVICE}"])
     with Trainer(cfg) as tr:
         exp, _ = tr.collect(step=1)
-        yield tr, exp.rollouts
+        yield tr, exp.to(tr.device).rollouts
 
 
 def _loss(stats, rb, rows):
@@ -35,7 +37,7 @@ def _loss(stats, rb, rows):
     lp, ent, _ = stats
     g = torch.Generator().manual_seed(0)
     m = rb.response_mask[rows]
-    w = torch.randn(lp.shape, generator=g)
+    w = torch.randn(lp.shape, generator=g).to(lp.device)
     return (w * m * lp).sum() + (w.flip(-1) * m * ent).sum()
 
 
