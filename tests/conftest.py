@@ -11,8 +11,8 @@ sys.path.insert(0, str(ROOT / "tests"))  # so `fixtures.rewards:digit_overlap` i
 sys.path.append(str(ROOT / "benchmarks"))
 
 AIME_LAYOUTS = ("interleaved", "blocked")
-# The device the objective-family, prompt-sharing and TRL-adapter tests put their tensors and models on: cpu here and in CI;
-# benchmarks/gpu_check.sh runs them with CEGPPO_TEST_DEVICE=cuda on a GPU machine.
+# The device the objective-family, prompt-sharing and TRL-adapter tests put their tensors and models on: cpu here and
+# in CI; benchmarks/gpu_check.sh runs them with CEGPPO_TEST_DEVICE=cuda on a GPU machine.
 TEST_DEVICE = os.environ.get("CEGPPO_TEST_DEVICE", "cpu")
 
 
