@@ -29,7 +29,8 @@ from cegppo.engine.collect import collect
 from cegppo.engine.components import (DataOrder, build_optimizer, build_policy, build_reference, build_reward,
                                       build_rollout, configure_torch, load_splits, set_lr, weights_finite)
 from cegppo.engine.model_forward import fused_head_supported
-from cegppo.engine.prompt_sharing import prompt_sharing_supported, shared_prompt_micro_batches, shared_prompt_token_stats
+from cegppo.engine.prompt_sharing import (prompt_sharing_supported, shared_prompt_micro_batches,
+                                           shared_prompt_token_stats)
 from cegppo.engine.precision import resolve_device, resolve_precision
 from cegppo.engine.reporter import Reporter, Silent
 from cegppo.engine.rollout import RolloutBatch
