@@ -11,6 +11,7 @@ import torch
 from cegppo.engine.batching import column_token_stats
 from cegppo.engine.prompt_sharing import (packs, prompt_sharing_supported, shared_prompt_micro_batches,
                                           shared_prompt_token_stats)
+from cegppo.engine.rollout import RolloutBatch
 from cegppo.engine.trainer import Trainer
 
 from conftest import TEST_DEVICE
@@ -41,7 +42,28 @@ def _loss(stats, rb, rows):
     return (w * m * lp).sum() + (w.flip(-1) * m * ent).sum()
 
 
-@pytest.mark.parametrize("pack_tokens", [1024, 20, 1])  # one pack per prompt; packs split; one response per pack
+def _assert_packs_give_the_padded_rows(tr, rb, rows, temperature, fused_head, pack_tokens, collision=False):
+    """Statistics (zero past each response) and every parameter's gradient of ``rows`` in packs equal the padded
+    rows' (:func:`column_token_stats`)."""
+    params = [p for p in tr.model.parameters() if p.requires_grad]
+    want = column_token_stats(tr.model, rb, rows, temperature, "fp32", fused_head, collision=collision)
+    want_grad = torch.autograd.grad(_loss(want, rb, rows), params)
+    got = shared_prompt_token_stats(tr.model, rb, rows, temperature, "fp32", fused_head, pack_tokens,
+                                    collision=collision)
+    got_grad = torch.autograd.grad(_loss(got, rb, rows), params)
+    m = rb.response_mask[rows].bool()
+    assert (got[2] is None) == (not collision)
+    for w, g in zip(want, got):
+        if w is None:
+            continue
+        torch.testing.assert_close(g[m], w[m], rtol=1e-5, atol=1e-5)
+        assert not g[~m].any()  # zero past each response
+    for w, g in zip(want_grad, got_grad):
+        torch.testing.assert_close(g, w, rtol=1e-4, atol=1e-5 * float(w.abs().max()))
+
+
+# one pack per prompt; packs of two responses (prompts of ~96 tokens, responses of <= 24); one response per pack
+@pytest.mark.parametrize("pack_tokens", [1024, 150, 1])
 def test_packs_give_the_padded_rows_statistics_and_gradients(rollouts, pack_tokens):
     tr, rb = rollouts
     prompt_len, response_len = rb.lengths
@@ -53,36 +75,34 @@ def test_packs_give_the_padded_rows_statistics_and_gradients(rollouts, pack_toke
     elif pack_tokens == 1:
         assert all(len(p.rows) == 1 for p in plan)
     else:
-        assert len(plan) > 4
-    params = [p for p in tr.model.parameters() if p.requires_grad]
-    want = column_token_stats(tr.model, rb, rows, 0.8, "fp32", tr.fused_head, collision=True)
-    want_grad = torch.autograd.grad(_loss(want, rb, rows), params)
-    got = shared_prompt_token_stats(tr.model, rb, rows, 0.8, "fp32", tr.fused_head, pack_tokens, collision=True)
-    got_grad = torch.autograd.grad(_loss(got, rb, rows), params)
-    m = rb.response_mask[rows].bool()
-    for w, g in zip(want, got):
-        torch.testing.assert_close(g[m], w[m], rtol=1e-5, atol=1e-5)
-        assert not g[~m].any()  # zero past each response
-    for w, g in zip(want_grad, got_grad):
-        torch.testing.assert_close(g, w, rtol=1e-4, atol=1e-5 * float(w.abs().max()))
+        assert len(plan) > 4 and any(len(p.rows) > 1 for p in plan)
+    _assert_packs_give_the_padded_rows(tr, rb, rows, 0.8, tr.fused_head, pack_tokens, collision=True)
 
 
 def test_packs_with_gradient_checkpointing_and_the_unfused_head(rollouts):
     tr, rb = rollouts
-    rows = torch.arange(8)
     tr.model.gradient_checkpointing_enable()
     try:
-        want = column_token_stats(tr.model, rb, rows, 1.0, "fp32", False)
-        got = shared_prompt_token_stats(tr.model, rb, rows, 1.0, "fp32", False, 1024)
-        params = list(tr.model.parameters())
-        want_grad = torch.autograd.grad(_loss(want, rb, rows), params)
-        got_grad = torch.autograd.grad(_loss(got, rb, rows), params)
+        _assert_packs_give_the_padded_rows(tr, rb, torch.arange(8), 1.0, False, 1024)
     finally:
         tr.model.gradient_checkpointing_disable()
-    m = rb.response_mask[rows].bool()
-    torch.testing.assert_close(got[0][m], want[0][m], rtol=1e-5, atol=1e-5)
-    for w, g in zip(want_grad, got_grad):
-        torch.testing.assert_close(g, w, rtol=1e-4, atol=1e-5 * float(w.abs().max()))
+
+
+def test_a_micro_batch_replans_to_its_own_packs():
+    """shared_prompt_token_stats cuts a micro-batch's rows into packs again: that must give back the packs the
+    micro-batch was made of (and so the token budget it was checked against), also when a prompt's responses span
+    two packs and the longer pack is listed first."""
+    P, lengths, cap = 10, [2, 2, 2, 2, 9], 19  # one prompt: packs (0-3) of 14 tokens and (4) of 18
+    B, T = len(lengths), max(lengths)
+    response_mask = torch.stack([(torch.arange(T) < r).long() for r in lengths])
+    rb = RolloutBatch(torch.cat([torch.arange(1, P + 1).repeat(B, 1), torch.ones(B, T, dtype=torch.long)], 1),
+                      torch.cat([torch.ones(B, P, dtype=torch.long), response_mask], 1), response_mask, [""] * B,
+                      torch.zeros(B, dtype=torch.bool))
+    plan = packs(rb, list(range(B)), cap, 16)
+    assert [p.rows for p in plan] == [(0, 1, 2, 3), (4,)]
+    replanned = [p for mb in shared_prompt_micro_batches(rb, torch.arange(B), 16, 0, cap)
+                 for p in packs(rb, mb.tolist(), cap)]
+    assert sorted(replanned, key=lambda p: p.rows) == sorted(plan, key=lambda p: p.rows)
 
 
 @pytest.mark.parametrize("max_rows,max_tokens,pack_tokens", [(16, 0, 1024), (3, 0, 1024), (16, 60, 1024),

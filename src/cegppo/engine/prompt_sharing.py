@@ -26,7 +26,7 @@ import torch
 from torch import Tensor
 
 from cegppo.algorithm.logprobs import DEFAULT_CHUNK_ROWS, linear_token_stats, token_stats
-from cegppo.engine.model_forward import output_layer
+from cegppo.engine.model_forward import fused_head_supported, output_layer
 from cegppo.engine.precision import autocast
 from cegppo.engine.rollout import RolloutBatch
 
@@ -36,7 +36,8 @@ _MASKS = {"sdpa": "bool", "eager": "additive"}  # attention implementations whos
 
 def prompt_sharing_supported(model: torch.nn.Module) -> bool:
     """Whether :func:`shared_prompt_token_stats` can run on ``model``: a Llama-like decoder with full attention in
-    every layer, an ``nn.Linear`` output layer, and the ``sdpa`` or ``eager`` attention implementation."""
+    every layer, an output layer the fused head can use (:func:`fused_head_supported`), and the ``sdpa`` or
+    ``eager`` attention implementation."""
     cfg = getattr(model, "config", None)
     if getattr(cfg, "model_type", None) not in SHARED_PROMPT_MODEL_TYPES:
         return False
@@ -44,7 +45,7 @@ def prompt_sharing_supported(model: torch.nn.Module) -> bool:
         return False
     if any(t != "full_attention" for t in getattr(cfg, "layer_types", None) or ()):
         return False
-    return isinstance(model.get_output_embeddings(), torch.nn.Linear)
+    return fused_head_supported(model)
 
 
 @dataclass(frozen=True)
@@ -85,12 +86,18 @@ def packs(rb: RolloutBatch, rows: list[int], max_tokens: int, max_rows: int = 0)
 def shared_prompt_micro_batches(rb: RolloutBatch, rows: Tensor, max_rows: int, max_tokens: int,
                                 pack_tokens: int) -> list[Tensor]:
     """``rows`` in micro-batches of whole packs (longest first): at most ``max_rows`` responses and, with
-    ``max_tokens`` > 0, at most that many tokens in the forward pass (packs x the longest pack)."""
+    ``max_tokens`` > 0, at most that many tokens in the forward pass (packs x the longest pack).
+
+    A micro-batch holds at most one pack of each prompt, so that :func:`packs` of its rows (what
+    :func:`shared_prompt_token_stats` computes on) gives back exactly its packs: two packs of one prompt would be
+    re-cut, and the token budget checked here would no longer be the one computed."""
     units = sorted(packs(rb, rows.tolist(), pack_tokens, max_rows), key=lambda p: -p.length)
+    group_of = rb.prompt_group
     out: list[list[Pack]] = []
     for p in units:
         last = out[-1] if out else None
         if (last and sum(len(q.rows) for q in last) + len(p.rows) <= max_rows
+                and all(group_of[q.rows[0]] != group_of[p.rows[0]] for q in last)
                 and not (max_tokens and (len(last) + 1) * last[0].length > max_tokens)):
             last.append(p)
         else:
