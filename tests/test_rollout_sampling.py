@@ -7,7 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from cegppo.engine.rollout import HFGenerator, Sampling, _InverseCDFSampler, encode_prompts, sampling_processors
+from cegppo.engine.decode import InverseCDFSampler, sampling_processors
+from cegppo.engine.rollout import HFGenerator, Sampling, encode_prompts
 
 PROMPTS = [[{"role": "user", "content": "1+1?"}],
            [{"role": "system", "content": "Answer in one line, and check the sum twice."},
@@ -30,7 +31,7 @@ def test_inverse_cdf_sampler_draws_the_softmax(block):
     logits = torch.tensor([0.0, 0.5, inf, 1.0, 0.2, inf, 0.7, -0.3, inf, -30.0, 0.5])
     draws = 400_000
     torch.manual_seed(0)
-    scores = _InverseCDFSampler(block)(None, logits.repeat(draws, 1))
+    scores = InverseCDFSampler(block)(None, logits.repeat(draws, 1))
     assert torch.isfinite(scores).sum(-1).eq(1).all()  # exactly one finite entry per row: the drawn token
     freq = torch.bincount(scores.argmax(-1), minlength=11).double() / draws
     p = torch.softmax(logits.double(), -1)
@@ -84,3 +85,40 @@ def test_shared_prefill_generates_what_generate_on_the_copies_does(tiny, samplin
     assert torch.equal(got_tokens, want)
     if sampling.temperature:
         assert len({tuple(r.tolist()) for r in got_tokens}) > 1  # really sampled: the copies differ
+
+
+@pytest.mark.parametrize("sampling", [Sampling(0.0, 1.0, 0, 24), Sampling(1.0, 1.0, 0, 24), Sampling(0.8, 0.9, 5, 24)],
+                         ids=["greedy", "sampled", "warped"])
+def test_rows_that_ended_leave_the_batch_and_the_tokens_stay_generates(tiny, sampling):
+    """Dropping ended rows (at once: drop_share=0) changes the work, not the draw: the same tokens as generate on
+    every row, which keeps feeding ended rows pads and draws a uniform for each of them at every step."""
+    from transformers import LogitsProcessorList
+
+    from cegppo.engine.decode import decode, shared_prefill
+
+    model, tok = tiny
+    n = 4
+    unique_ids, unique_mask = encode_prompts(tok, PROMPTS, 512)
+    ids, mask = unique_ids.repeat_interleave(n, 0), unique_mask.repeat_interleave(n, 0)
+    kwargs = dict(logits_processor=LogitsProcessorList(sampling_processors(sampling))) if sampling.temperature else {}
+
+    def generate(eos: list[int]) -> torch.Tensor:
+        torch.manual_seed(3)
+        return model.generate(input_ids=ids, attention_mask=mask, do_sample=False, temperature=None, top_p=None,
+                              top_k=None, max_new_tokens=sampling.max_new_tokens, pad_token_id=tok.pad_token_id,
+                              eos_token_id=eos, **kwargs)[:, ids.shape[1]:]
+
+    # the tiny model rarely ends a row (never greedy): a token the first row draws early ends rows as well
+    eos = HFGenerator(model, tok, 512, torch.float32).eos
+    eos = eos + [int(generate(eos)[0, 3])]
+    want = generate(eos)
+    is_eos = torch.isin(want, torch.tensor(eos))
+    ended_at = torch.where(is_eos.any(-1), is_eos.int().argmax(-1), want.shape[1])
+    assert ended_at.min() < want.shape[1] - 1 and ended_at.unique().numel() > 1  # rows end early, and not together
+    for drop_share in (0.0, 1.0):
+        cache = shared_prefill(model, unique_ids, unique_mask, n, sampling.max_new_tokens)
+        torch.manual_seed(3)
+        got = decode(model, ids, mask, cache, sampling, eos, tok.pad_token_id, drop_share=drop_share)
+        assert torch.equal(got, want), drop_share
+        left = cache.layers[0].keys.shape[0]  # rows still in the batch at the end
+        assert left < ids.shape[0] if drop_share == 0 else left == ids.shape[0]

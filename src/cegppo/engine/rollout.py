@@ -1,8 +1,8 @@
 """Rollout: turn chat prompts into sampled responses, behind a small interface so other generators can plug in.
 
 A backend implements :class:`Generator`: ``generate(prompts, n, sampling) -> RolloutBatch`` and
-``sync(policy)`` (copy the trained weights in). :class:`HFGenerator` uses Hugging Face ``generate`` with the
-KV cache. Where the generation dtype differs from the policy's (bf16 where bf16 is fast: a GPU, a CPU with
+``sync(policy)`` (copy the trained weights in). :class:`HFGenerator` decodes a Hugging Face model with a KV
+cache (:mod:`cegppo.engine.decode`: what ``generate`` draws, with less work). Where the generation dtype differs from the policy's (bf16 where bf16 is fast: a GPU, a CPU with
 native bf16) it runs on a separate copy of the policy in that dtype, the way verl runs vLLM beside its trainer;
 where it is the same (fp32 on AVX2-only CPUs) it runs on the policy itself: no second copy of the weights to hold
 or to sync. The log-probs that enter the objective are recomputed by the trained policy, so the generator's
@@ -11,14 +11,15 @@ precision only changes which samples are drawn.
 
 from __future__ import annotations
 
-import inspect
 from copy import deepcopy
 from dataclasses import dataclass, fields, replace
 from functools import cached_property
-from typing import Callable, Protocol
+from typing import Protocol
 
 import torch
 from torch import Tensor
+
+from cegppo.engine.decode import OnToken, decode, shared_prefill
 
 
 @dataclass
@@ -93,7 +94,6 @@ class RolloutBatch:
         )
 
 
-OnToken = Callable[[int, int], None]  # (tokens generated so far per sequence, max_new_tokens)
 
 
 class Generator(Protocol):
@@ -145,62 +145,6 @@ def rollout_batch(tokenizer, prompt_ids: Tensor, prompt_mask: Tensor, responses:
     )
 
 
-class _TokenCounter:
-    """A ``generate`` streamer that only counts decoding steps (the first ``put`` is the prompt)."""
-
-    def __init__(self, on_token: OnToken, max_new_tokens: int):
-        self.on_token, self.max_new_tokens, self.calls = on_token, max_new_tokens, -1
-
-    def put(self, value: Tensor) -> None:
-        self.calls += 1
-        if self.calls:
-            self.on_token(self.calls, self.max_new_tokens)
-
-    def end(self) -> None:
-        self.calls = -1
-
-
-class _InverseCDFSampler:
-    """The last of ``generate``'s logits processors, run greedy: it draws the next token from the processed
-    scores and returns scores whose only finite entry is that token, which greedy decoding then picks.
-
-    Why not ``do_sample=True``: HF samples with ``torch.multinomial``, which on a CPU draws an exponential for
-    every vocabulary entry (64 x 49152 per decode step: 16% of a measured 8 x 8 rollout of SmolLM2). This draws
-    one uniform per row and inverts the CDF, in two levels so that no full-vocabulary cumulative sum (a serial
-    scan) is needed: the block of ``block`` tokens the uniform falls in, then the token inside it. Sums are
-    float64: in float32 a token below ~3e-8 of probability would round away and could never be drawn."""
-
-    def __init__(self, block: int = 256):
-        self.block = block
-
-    def __call__(self, input_ids: Tensor, scores: Tensor) -> Tensor:
-        rows, vocab = scores.shape
-        probs = torch.softmax(scores.float(), -1)
-        if vocab % self.block:
-            probs = torch.nn.functional.pad(probs, (0, -vocab % self.block))
-        blocks = probs.view(rows, -1, self.block)
-        block_cdf = blocks.sum(-1, dtype=torch.float64).cumsum(-1)  # [rows, vocab / block]
-        u = torch.rand(rows, 1, dtype=torch.float64, device=scores.device) * block_cdf[:, -1:]
-        block = torch.searchsorted(block_cdf, u, right=True).clamp_(max=block_cdf.shape[1] - 1)
-        below = torch.where(block > 0, block_cdf.gather(1, (block - 1).clamp(min=0)), 0.0)  # mass of earlier blocks
-        inner = blocks.gather(1, block[..., None].expand(-1, -1, self.block)).squeeze(1).double().cumsum(-1)
-        # strictly below the block's total, so the first inner cdf above it is a token of nonzero probability
-        rest = torch.minimum(u - below, torch.nextafter(inner[:, -1:], torch.zeros_like(below)))
-        token = block * self.block + torch.searchsorted(inner, rest, right=True)
-        return scores.fill_(float("-inf")).scatter_(-1, token, 0.0)  # generate's own copy: no one reads it after
-
-
-def sampling_processors(sampling: Sampling) -> list:
-    """HF's own warpers, in the order ``generate`` applies them when sampling (temperature, top-k, top-p), then
-    the sampler: the same distribution as ``generate(do_sample=True)``, drawn by :class:`_InverseCDFSampler`."""
-    from transformers import TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
-
-    warpers = [TemperatureLogitsWarper(sampling.temperature)] if sampling.temperature != 1.0 else []
-    warpers += [TopKLogitsWarper(sampling.top_k)] if sampling.top_k else []
-    warpers += [TopPLogitsWarper(sampling.top_p)] if sampling.top_p < 1.0 else []
-    return [*warpers, _InverseCDFSampler()]
-
-
 def _empty_copy(model: torch.nn.Module) -> torch.nn.Module:
     """A copy of ``model`` whose parameters hold no data (a released copy's weights are cast in at each rollout):
     copying the weights themselves would take another full-precision copy of the model, however briefly."""
@@ -216,8 +160,8 @@ def _empty_copy(model: torch.nn.Module) -> torch.nn.Module:
 
 
 class HFGenerator:
-    """Hugging Face ``generate`` (batched, left padding) in ``dtype``, with one prefill per prompt shared by its
-    samples, a static KV cache and inverse-CDF sampling (:meth:`_prefill`, :class:`_InverseCDFSampler`; measured
+    """A Hugging Face model decoding in ``dtype`` (batched, left padding), with one prefill per prompt shared by its
+    samples, a static KV cache, inverse-CDF sampling and ended rows dropped (:mod:`cegppo.engine.decode`; measured
     in docs/speed.md).
 
     ``copy=None``: on a copy of the policy when ``dtype`` differs from the policy's, else on the policy itself;
@@ -241,11 +185,6 @@ class HFGenerator:
         self.model = (_empty_copy(policy) if released else deepcopy(policy) if copy else policy).to(dtype)
         self.eos = eos_ids(tokenizer, policy)
         self.policy = policy if released else None  # where a released copy takes its weights from
-        # the prefill's keywords: the KV cache is ``cache`` since transformers 5.2x, ``past_key_values`` before (the
-        # vLLM and verl extras pin older releases); logits for the last position only, where the model allows it
-        accepts = inspect.signature(self.model.forward).parameters
-        self._cache_kw = "cache" if "cache" in accepts else "past_key_values"
-        self._last_logits = {"logits_to_keep": 1} if "logits_to_keep" in accepts else {}
 
     @torch.no_grad()
     def sync(self, policy: torch.nn.Module) -> None:
@@ -263,45 +202,11 @@ class HFGenerator:
             dst.data = src.detach().to(self.dtype) if weights else torch.empty(0, dtype=self.dtype, device=src.device)
 
     @torch.no_grad()
-    def _prefill(self, prompt_ids: Tensor, prompt_mask: Tensor, n: int, max_new_tokens: int) -> dict:
-        """``generate``'s cache argument: each prompt but its last token encoded once and repeated for its ``n``
-        samples, in a static (preallocated) cache.
-
-        Why: ``generate`` on the ``n`` copies would encode every prompt ``n`` times (8 samples of a 57-token
-        prompt: 7/8 of the prefill, a third of the rollout's FLOPs), and its default dynamic cache concatenates
-        every layer's keys and values at each decode step (10% of a measured rollout). Positions follow
-        ``generate``'s own rule for left padding (mask cumsum - 1, pads at 0), so the cache holds what
-        ``generate`` would have computed."""
-        from transformers import DynamicCache, StaticCache
-
-        mask = prompt_mask[:, :-1]
-        positions = (mask.cumsum(-1) - 1).masked_fill(mask == 0, 0)
-        prefix = DynamicCache(config=self.model.config)
-        self.model(input_ids=prompt_ids[:, :-1], attention_mask=mask, position_ids=positions, use_cache=True,
-                   **self._last_logits, **{self._cache_kw: prefix})
-        cache = StaticCache(config=self.model.config, max_cache_len=prompt_ids.shape[1] + max_new_tokens)
-        for i, layer in enumerate(prefix.layers):
-            cache.update(layer.keys.repeat_interleave(n, 0), layer.values.repeat_interleave(n, 0), i)
-        return {self._cache_kw: cache}
-
-    @torch.no_grad()
     def generate(self, prompts: list[list[dict]], n: int, sampling: Sampling,
                  on_token: OnToken | None = None) -> RolloutBatch:
         unique_ids, unique_mask = encode_prompts(self.tokenizer, prompts, self.max_prompt_tokens)
         prompt_ids, prompt_mask = unique_ids.repeat_interleave(n, 0), unique_mask.repeat_interleave(n, 0)
-        # greedy decoding, with the sampler as the last processor when sampling; None: no sampling defaults from
-        # the model's generation_config leak in. disable_compile: a static cache on a GPU would otherwise compile
-        # the forward, and recompile it for each rollout's new shapes
-        kwargs = dict(max_new_tokens=sampling.max_new_tokens, pad_token_id=self.tokenizer.pad_token_id,
-                      eos_token_id=self.eos, do_sample=False, temperature=None, top_p=None, top_k=None,
-                      disable_compile=True)
-        if sampling.temperature > 0:
-            from transformers import LogitsProcessorList
-
-            kwargs["logits_processor"] = LogitsProcessorList(sampling_processors(sampling))
-        if on_token is not None:
-            kwargs["streamer"] = _TokenCounter(on_token, sampling.max_new_tokens)
-        # prompts per generate call: a prompt's samples stay together (in one call of n rows when n > max_batch)
+        # prompts per call: a prompt's samples stay together (in one call of n rows when n > max_batch)
         per_call = max(1, self.max_batch // n)
         outs, training, device = [], self.model.training, next(self.model.parameters()).device
         self.model.eval()  # the policy itself may be in training mode (dropout)
@@ -309,12 +214,12 @@ class HFGenerator:
         try:
             for s in range(0, unique_ids.shape[0], per_call):
                 unique = slice(s, s + per_call)
-                cache = (self._prefill(unique_ids[unique].to(device), unique_mask[unique].to(device), n,
-                                       sampling.max_new_tokens) if unique_ids.shape[1] > 1 else {})
+                cache = shared_prefill(self.model, unique_ids[unique].to(device), unique_mask[unique].to(device), n,
+                                       sampling.max_new_tokens)
                 rows = slice(s * n, (s + per_call) * n)  # the n copies of those prompts
-                out = self.model.generate(input_ids=prompt_ids[rows].to(device),
-                                          attention_mask=prompt_mask[rows].to(device), **cache, **kwargs)
-                outs.append(out[:, prompt_ids.shape[1] :].cpu())  # a batch lives on the host; the trainer moves it
+                out = decode(self.model, prompt_ids[rows].to(device), prompt_mask[rows].to(device), cache, sampling,
+                             self.eos, self.tokenizer.pad_token_id, on_token)
+                outs.append(out.cpu())  # a batch lives on the host; the trainer moves it
         finally:
             self._hold(False)
             self.model.train(training)
