@@ -122,3 +122,36 @@ def test_rows_that_ended_leave_the_batch_and_the_tokens_stay_generates(tiny, sam
         assert torch.equal(got, want), drop_share
         left = cache.layers[0].keys.shape[0]  # rows still in the batch at the end
         assert left < ids.shape[0] if drop_share == 0 else left == ids.shape[0]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_grouped_decode_attention_is_sdpas(dtype):
+    """One query per row, 9 query heads on 3 key/value heads, a padding mask: what sdpa computes on the repeated
+    heads (to float32 rounding; in bf16, to the rounding of scores held in bf16, as HF's eager attention holds them)."""
+    from types import SimpleNamespace
+
+    from transformers.integrations.sdpa_attention import repeat_kv
+
+    from cegppo.engine.decode import grouped_decode_attention
+
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(5, h, t, 16, dtype=dtype) for h, t in ((9, 1), (3, 11), (3, 11)))
+    mask = torch.rand(5, 1, 1, 11) > 0.3
+    mask[:, :, :, -1] = True  # every row sees at least its own key
+    got, _ = grouped_decode_attention(SimpleNamespace(), q, k, v, mask, scaling=0.25)
+    want = torch.nn.functional.scaled_dot_product_attention(q, repeat_kv(k, 3), repeat_kv(v, 3), attn_mask=mask,
+                                                            scale=0.25).transpose(1, 2)
+    tol = dict(rtol=1e-5, atol=1e-6) if dtype == torch.float32 else dict(rtol=2e-2, atol=2e-2)
+    torch.testing.assert_close(got.float(), want.float(), **tol)
+
+
+def test_decoding_puts_the_model_back_on_sdpa(tiny):
+    from cegppo.engine.decode import decode, shared_prefill
+
+    model, tok = tiny
+    assert model.config._attn_implementation == "sdpa"
+    ids, mask = encode_prompts(tok, PROMPTS, 512)
+    seen = []
+    decode(model, ids, mask, shared_prefill(model, ids, mask, 1, 3), Sampling(0.0, 1.0, 0, 3), [2],
+           tok.pad_token_id, on_token=lambda *_: seen.append(model.config._attn_implementation))
+    assert seen == ["cegppo_grouped_decode"] * 3 and model.config._attn_implementation == "sdpa"

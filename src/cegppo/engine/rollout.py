@@ -1,12 +1,12 @@
 """Rollout: turn chat prompts into sampled responses, behind a small interface so other generators can plug in.
 
 A backend implements :class:`Generator`: ``generate(prompts, n, sampling) -> RolloutBatch`` and
-``sync(policy)`` (copy the trained weights in). :class:`HFGenerator` decodes a Hugging Face model with a KV
-cache (:mod:`cegppo.engine.decode`: what ``generate`` draws, with less work). Where the generation dtype differs from the policy's (bf16 where bf16 is fast: a GPU, a CPU with
-native bf16) it runs on a separate copy of the policy in that dtype, the way verl runs vLLM beside its trainer;
-where it is the same (fp32 on AVX2-only CPUs) it runs on the policy itself: no second copy of the weights to hold
-or to sync. The log-probs that enter the objective are recomputed by the trained policy, so the generator's
-precision only changes which samples are drawn.
+``sync(policy)`` (copy the trained weights in). :class:`HFGenerator` decodes a Hugging Face model with a KV cache
+(:mod:`cegppo.engine.decode`: what ``generate`` draws, with less work). Where the generation dtype differs from
+the policy's (bf16 where bf16 is fast: a GPU, a CPU with native bf16) it runs on a separate copy of the policy in
+that dtype, the way verl runs vLLM beside its trainer; where it is the same (fp32 on AVX2-only CPUs) it runs on
+the policy itself: no second copy of the weights to hold or to sync. The log-probs that enter the objective are
+recomputed by the trained policy, so the generator's precision only changes which samples are drawn.
 """
 
 from __future__ import annotations
