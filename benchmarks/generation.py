@@ -8,8 +8,8 @@
 The work is one step of ``benchmarks/step_throughput.py``: 8 arithmetic prompts x 8 samples at temperature 1,
 <= 64 new tokens, through :class:`cegppo.engine.rollout.HFGenerator` and :class:`cegppo.engine.vllm_rollout.VLLMGenerator`
 (the trainer's engines), and through plain ``generate(do_sample=True)`` on each prompt repeated n times (what
-TRL's GRPO trainer does, and what ``HFGenerator`` did before it shared each prompt's prefill and drew its samples by
-inverse CDF), alternating, after one warm-up batch each. Tokens counted are response tokens through the first
+TRL's GRPO trainer does, and what ``HFGenerator`` did before it shared each prompt's prefill, drew its samples by
+inverse CDF and ran its own decode loop: ``cegppo.engine.decode``), alternating, after one warm-up batch each. Tokens counted are response tokens through the first
 EOS. Where vLLM is not installed, only the two HF engines are measured (and the report says so). Writes
 ``generation.{json,md}`` to ``--out`` with the commit, the command, the date and the machine.
 """
@@ -117,7 +117,8 @@ def main() -> None:
           "| engine | generated tok/s | mean tokens per batch | engine start |", "|---|---|---|---|"]
     md += [f"| {name} | {s['tok_s']:.0f} | {s['mean_tokens']:.0f} | {s['init_s']:.1f} s |" for name, s in summary.items()]
     md += ["", "`hf-generate`: `generate(do_sample=True)` on each prompt repeated n times (TRL's way); `hf`: "
-           "`HFGenerator` (one prefill per prompt, inverse-CDF sampling).", "",
+           "`HFGenerator` (cegppo's decode loop: one prefill per prompt, inverse-CDF sampling, ended rows "
+           "dropped, grouped decode attention on a CPU).", "",
            f"**hf / hf-generate: {hf_gain:.2f}x** generated tokens per second."]
     if ratio is None:
         md += ["", "vLLM is not installed here: the vLLM / HF ratio was not measured.", ""]
