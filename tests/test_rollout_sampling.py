@@ -130,7 +130,7 @@ def test_grouped_decode_attention_is_sdpas(dtype):
     heads (to float32 rounding; in bf16, to the rounding of scores held in bf16, as HF's eager attention holds them)."""
     from types import SimpleNamespace
 
-    from transformers.integrations.sdpa_attention import repeat_kv
+    from transformers.integrations.sdpa_attention import repeat_kv, sdpa_attention_forward
 
     from cegppo.engine.decode import grouped_decode_attention
 
@@ -143,6 +143,11 @@ def test_grouped_decode_attention_is_sdpas(dtype):
                                                             scale=0.25).transpose(1, 2)
     tol = dict(rtol=1e-5, atol=1e-6) if dtype == torch.float32 else dict(rtol=2e-2, atol=2e-2)
     torch.testing.assert_close(got.float(), want.float(), **tol)
+    # what the grouped path does not compute (a position bias) goes to sdpa's own function, unchanged
+    module, bias = SimpleNamespace(num_key_value_groups=3, is_causal=True), torch.randn(5, 9, 1, 11, dtype=dtype)
+    got, _ = grouped_decode_attention(module, q, k, v, mask, scaling=0.25, position_bias=bias)
+    want, _ = sdpa_attention_forward(module, q, k, v, mask, scaling=0.25, position_bias=bias)
+    assert torch.equal(got, want)
 
 
 def test_decoding_puts_the_model_back_on_sdpa(tiny):

@@ -115,18 +115,20 @@ def grouped_decode_attention(module: torch.nn.Module, query: Tensor, key: Tensor
     Hugging Face's eager attention computes them. Anything else goes to ``sdpa``."""
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-    if query.shape[2] != 1 or dropout:
-        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
-                                      **kwargs)
     rows, heads, _, dim = query.shape
     groups = key.shape[1]
+    # a bias or softcap sdpa applies (or refuses), or a shape other than one query per row: sdpa's own path
+    if (query.shape[2] != 1 or dropout or heads % groups or kwargs.get("position_bias") is not None
+            or kwargs.get("softcap") is not None):
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
+                                      **kwargs)
     scores = torch.matmul(query.view(rows, groups, heads // groups, dim), key.transpose(-1, -2)).float()
     scores = scores * (dim**-0.5 if scaling is None else scaling)
     if attention_mask is not None:  # [rows, 1, 1, keys]: True (or 0) where a key may be seen
         scores = (scores.masked_fill(attention_mask.logical_not(), float("-inf")) if attention_mask.dtype == torch.bool
                   else scores + attention_mask)
     out = torch.matmul(torch.softmax(scores, -1).to(value.dtype), value)  # [rows, groups, heads / groups, dim]
-    return out.view(rows, 1, heads, dim), None
+    return out.reshape(rows, 1, heads, value.shape[-1]), None
 
 
 def _register_grouped_decode() -> None:
