@@ -11,7 +11,7 @@ padding by ``generate``'s rules: ``tests/test_rollout_sampling.py``). What diffe
 - ``generate`` encodes each prompt n times; :func:`shared_prefill` encodes it once.
 - ``generate(do_sample=True)`` samples with ``torch.multinomial``; :class:`InverseCDFSampler` draws one uniform.
 - On a CPU, a model on ``sdpa`` attention decodes with :func:`grouped_decode_attention` (its prefill stays on
-  ``sdpa``): PyTorch's CPU kernel is slow for a single query (30% of a bf16 rollout of SmolLM2, measured).
+  ``sdpa``): PyTorch's CPU kernel is slow for a single query (30% of a bf16 rollout of SmolLM2, profiled by hand).
 """
 
 from __future__ import annotations
