@@ -89,7 +89,8 @@ def shared_prefill(model: torch.nn.Module, prompt_ids: Tensor, prompt_mask: Tens
 
     Why: encoding every prompt ``n`` times would spend 7/8 of the prefill on copies (8 samples of a 57-token
     prompt: a third of the rollout's FLOPs). Positions follow ``generate``'s rule for left padding (mask cumsum - 1,
-    pads at 0), so the cache holds what ``generate`` would have computed."""
+    pads at 0), so the cache holds what ``generate`` would have computed. Static (preallocated): a dynamic cache
+    concatenates every layer's keys and values at each decode step (10% of a measured rollout)."""
     from transformers import DynamicCache, StaticCache
 
     cache = StaticCache(config=model.config, max_cache_len=prompt_ids.shape[1] + max_new_tokens)

@@ -94,8 +94,6 @@ class RolloutBatch:
         )
 
 
-
-
 class Generator(Protocol):
     def generate(self, prompts: list[list[dict]], n: int, sampling: Sampling,
                  on_token: OnToken | None = None) -> RolloutBatch: ...
