@@ -22,7 +22,7 @@ from cegppo.data.problems import Problem
 from cegppo.data.tasks import INSTRUCTION, make_task
 from cegppo.io import atomic_write_json, atomic_write_text
 
-from common import RESULTS, provenance, provenance_line, quick_out
+from common import RESULTS, provenance, provenance_line, quick_out, settings
 
 
 def main() -> None:
@@ -99,7 +99,7 @@ def main() -> None:
     for p, c, s, l in list(zip(problems, completions, strict.correct, lenient.correct))[:args.show]:
         print(f"--- gold={p.answer} strict={s} lenient={l}\n{p.prompt_text}\n>>> {c!r}")
 
-    result = {**prov, "settings": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
+    result = {**prov, "settings": settings(args),
               "problems": len(problems), "strict_accuracy": strict.accuracy, "lenient_accuracy": lenient.accuracy,
               "strict_failures": strict.failures, "lenient_failures": lenient.failures, "boxed": boxed,
               "nonempty_box": nonempty_box, "literal_N_box": literal_n, "generated_tokens": n_tokens,

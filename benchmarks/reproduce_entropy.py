@@ -45,7 +45,7 @@ from cegppo.algorithm.policy_loss import entropy_metrics, policy_loss
 from cegppo.data.rewards import load_reward
 from cegppo.engine.rollout import HFGenerator, RolloutBatch, Sampling
 
-from common import RESULTS, in_checkout, load_now, provenance, provenance_line, quick_out
+from common import RESULTS, in_checkout, load_now, provenance, provenance_line, quick_out, settings
 from common.entropy import addition_problems, mean_sem  # the additions task, shared with entropy_control.py
 
 QUICK_OUT = quick_out("reproduce_entropy")
@@ -513,7 +513,7 @@ def main() -> None:
     figures = plots(per_update, runs, args.out)
     wall = time.perf_counter() - t0
     result = {**prov, "wall_s": wall, "load_after": load_now(),
-              "settings": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
+              "settings": settings(args),
               "per_update": per_update, "per_update_meta": {k: v for k, v in meta.items() if k != "per_batch"},
               "per_update_batches": meta.get("per_batch", {}), "runs": runs, "verdicts": claims}
     atomic_write_json(args.out / "entropy_dynamics.json", result)

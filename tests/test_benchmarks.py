@@ -253,3 +253,23 @@ def test_entropy_control_restore_gives_a_fresh_checkout_the_committed_runs(tmp_p
     bonus = {key(r) for r in result["runs"] if r["label"].startswith("Autopilot + bonus")}
     assert bonus and {key(r) for r in left} == {key(r) for r in result["runs"]} - bonus
     assert "made with other settings" in proc.stdout
+
+
+def test_results_record_no_directory_of_the_machine_that_made_them():
+    """A results file names paths relative to the checkout or as <local> (``common.settings``, ``common.command``):
+    a home, scratch or checkout directory of one machine means nothing on another. System paths (/usr) may stay."""
+    machine_dir = re.compile(r"(^|[\s='\"])/(work|tmp|root|home|Users|mnt)/")
+
+    def strings(x):
+        if isinstance(x, dict):
+            for v in x.values():
+                yield from strings(v)
+        elif isinstance(x, list):
+            for v in x:
+                yield from strings(v)
+        elif isinstance(x, str):
+            yield x
+
+    for path in sorted(RESULTS.rglob("*.json")):
+        found = [s for s in strings(json.loads(path.read_text())) if machine_dir.search(s)]
+        assert not found, f"{path.relative_to(RESULTS)} records a path of the machine: {found[0][:120]}"

@@ -59,6 +59,14 @@ def command(script: str, env: dict[str, str] | None = None) -> str:
                        f"benchmarks/{Path(script).name}", *map(portable_path, without_notes(sys.argv[1:]))])
 
 
+def settings(args) -> dict:
+    """A script's parsed arguments as a results file records them: paths as :func:`command` writes them (relative to
+    the checkout, else ``<local>``), so no record names a directory of the machine that made it."""
+    from cegppo.engine.provenance import portable_path
+
+    return {k: portable_path(str(v)) if isinstance(v, Path) else v for k, v in vars(args).items()}
+
+
 def tests_module(name: str):
     """``tests/<name>.py`` loaded by its path (``objectives.py`` times the tests' reference formulations), with no
     ``sys.path`` entry for ``tests/``."""
