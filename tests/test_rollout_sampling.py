@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from cegppo.engine.decode import InverseCDFSampler, sampling_processors
+from cegppo.engine.decode import InverseCDFSampler, sampling_processors, sampling_warpers
 from cegppo.engine.rollout import HFGenerator, Sampling, encode_prompts
 
 PROMPTS = [[{"role": "user", "content": "1+1?"}],
@@ -50,7 +50,7 @@ def test_the_warpers_are_generates_own_in_its_order(tiny):
     out = model.generate(input_ids=ids, attention_mask=mask, do_sample=True, temperature=0.7, top_p=0.8, top_k=7,
                          max_new_tokens=5, min_new_tokens=5, pad_token_id=tok.pad_token_id, output_scores=True,
                          output_logits=True, return_dict_in_generate=True)
-    warpers = LogitsProcessorList(sampling_processors(sampling)[:-1])  # all but the sampler
+    warpers = LogitsProcessorList(sampling_warpers(sampling))
     assert len(warpers) == 3
     for step, (logits, scores) in enumerate(zip(out.logits, out.scores)):
         seen = out.sequences[:, : ids.shape[1] + step]

@@ -16,6 +16,7 @@ padding by ``generate``'s rules: ``tests/test_rollout_sampling.py``). What diffe
 
 from __future__ import annotations
 
+import functools
 import inspect
 from contextlib import contextmanager
 from typing import Callable
@@ -64,15 +65,20 @@ class InverseCDFSampler:
         return scores.fill_(float("-inf")).scatter_(-1, token[:, None], 0.0)
 
 
-def sampling_processors(sampling) -> list:
-    """HF's own warpers, in the order ``generate`` applies them when sampling (temperature, top-k, top-p), then
-    the sampler: the same distribution as ``generate(do_sample=True)``, drawn by :class:`InverseCDFSampler`."""
+def sampling_warpers(sampling) -> list:
+    """HF's own warpers, in the order ``generate`` applies them when sampling (temperature, top-k, top-p)."""
     from transformers import TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
 
     warpers = [TemperatureLogitsWarper(sampling.temperature)] if sampling.temperature != 1.0 else []
     warpers += [TopKLogitsWarper(sampling.top_k)] if sampling.top_k else []
     warpers += [TopPLogitsWarper(sampling.top_p)] if sampling.top_p < 1.0 else []
-    return [*warpers, InverseCDFSampler()]
+    return warpers
+
+
+def sampling_processors(sampling) -> list:
+    """``generate``'s logits processors for the same draw as :func:`decode`: the warpers, then the sampler (run
+    greedy: the same distribution as ``generate(do_sample=True)``, drawn by :class:`InverseCDFSampler`)."""
+    return [*sampling_warpers(sampling), InverseCDFSampler()]
 
 
 def _cache_keywords(model: torch.nn.Module, cache) -> dict:
@@ -132,6 +138,7 @@ def grouped_decode_attention(module: torch.nn.Module, query: Tensor, key: Tensor
     return out.reshape(rows, 1, heads, value.shape[-1]), None
 
 
+@functools.cache
 def _register_grouped_decode() -> None:
     from transformers import AttentionInterface
     from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
@@ -157,10 +164,7 @@ def _decode_attention(model: torch.nn.Module, device: torch.device):
 def _keep_rows(cache, rows: Tensor) -> None:
     """Keep only ``rows`` of every layer of a static cache (its write position is shared by all rows)."""
     for layer in cache.layers:
-        if getattr(layer, "is_initialized", True):
-            layer.keys, layer.values = layer.keys.index_select(0, rows), layer.values.index_select(0, rows)
-            if hasattr(layer, "batch_size"):
-                layer.batch_size = rows.numel()
+        layer.keys, layer.values = layer.keys.index_select(0, rows), layer.values.index_select(0, rows)
 
 
 @torch.no_grad()
@@ -174,7 +178,7 @@ def decode(model: torch.nn.Module, prompt_ids: Tensor, prompt_mask: Tensor, cach
     rows, width = prompt_ids.shape
     device, max_new = prompt_ids.device, sampling.max_new_tokens
     sampler, cache_keywords = InverseCDFSampler(), _cache_keywords(model, cache)
-    warpers = sampling_processors(sampling)[:-1] if sampling.temperature > 0 else None
+    warpers = sampling_warpers(sampling) if sampling.temperature > 0 else None
     eos_ids = torch.tensor(eos, dtype=torch.long, device=device)
     responses = torch.full((rows, max_new), pad_id, dtype=torch.long, device=device)
     live = torch.arange(rows, device=device)  # the original row of each row still in the batch
@@ -191,7 +195,7 @@ def decode(model: torch.nn.Module, prompt_ids: Tensor, prompt_mask: Tensor, cach
             if warpers is None:
                 chosen = scores.argmax(-1)
             else:
-                seen = torch.cat([prompt_ids.index_select(0, live), responses.index_select(0, live)[:, :step]], 1)
+                seen = torch.cat([prompt_ids, responses[:, :step]], 1).index_select(0, live)
                 for warp in warpers:
                     scores = warp(seen, scores)
                 # one uniform per original row, ended or gone: the stream generate on every row would draw
