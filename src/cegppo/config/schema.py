@@ -66,6 +66,9 @@ class ModelConfig:
     # LM head applied in row chunks inside the log-prob/entropy, so no [B, T, V] logits are held: true | false |
     # auto (on for the model types known to compute logits as a plain lm_head(hidden), off for the others)
     fused_lm_head: bool | str = key("auto", choices=(True, False, "auto"))
+    # the known RMSNorms and SwiGLU MLPs (Llama, Mistral, Qwen) keep only their inputs, gate and up for backward and
+    # recompute the rest (cegppo.engine.lean_layers): less activation memory, the same values. Off under checkpointing
+    lean_activations: bool = key(True)
     # where the policy trains and generates: auto (the GPU when torch sees one, else the CPU) | cpu | cuda | cuda:N
     device: str = key("auto", pattern=DEVICES.pattern, says="auto, cpu, cuda or cuda:N")
 

@@ -7,6 +7,7 @@ recipe's: :func:`cegppo.recipes.train_loop`.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 from pathlib import Path
@@ -28,6 +29,7 @@ from cegppo.engine.batching import (Experience, column_token_stats, entropy_mean
 from cegppo.engine.collect import collect
 from cegppo.engine.components import (DataOrder, build_optimizer, build_policy, build_reference, build_reward,
                                       build_rollout, configure_torch, load_splits, set_lr, weights_finite)
+from cegppo.engine.lean_layers import lean_layers
 from cegppo.engine.model_forward import fused_head_supported
 from cegppo.engine.prompt_sharing import (prompt_sharing_supported, shared_prompt_micro_batches,
                                            shared_prompt_token_stats)
@@ -79,6 +81,9 @@ class Trainer:
         self.ref_model = build_reference(cfg, self.model, resumed=resume_from is not None)
         if cfg.model.gradient_checkpointing:
             self.model.gradient_checkpointing_enable()
+        # checkpointing keeps no layer activations: nothing for the lean layers to save, and its recomputation runs
+        # the modules as loaded
+        self.lean = cfg.model.lean_activations and not cfg.model.gradient_checkpointing
         self.precision = resolve_precision(cfg.model.precision, self.device)
         self.fused_head = fused_head_supported(self.model) if cfg.model.fused_lm_head == "auto" else cfg.model.fused_lm_head
         # the responses to a prompt computed with the prompt once, on models whose attention mask we can write
@@ -190,10 +195,11 @@ class Trainer:
         """Per-token statistics of ``rows`` at the sampling temperature, in this run's precision: packed with their
         prompt once (:func:`shared_prompt_token_stats`) or in padded rows (:func:`column_token_stats`)."""
         t = self.cfg.rollout.temperature
-        if self.shared_prompt:
-            return shared_prompt_token_stats(model, rb, rows, t, self.precision, self.fused_head, self.pack_tokens,
-                                             collision)
-        return column_token_stats(model, rb, rows, t, self.precision, self.fused_head, collision)
+        with lean_layers(model) if self.lean else contextlib.nullcontext():
+            if self.shared_prompt:
+                return shared_prompt_token_stats(model, rb, rows, t, self.precision, self.fused_head, self.pack_tokens,
+                                                 collision)
+            return column_token_stats(model, rb, rows, t, self.precision, self.fused_head, collision)
 
     def micro_batches(self, rb: RolloutBatch, rows: Tensor) -> list[Tensor]:
         """Micro-batches under ``train.micro_batch_size`` and ``train.micro_batch_tokens``, of whole packs when the
