@@ -128,25 +128,24 @@ def test_only_the_known_modules_are_replaced_and_all_are_put_back():
 
 
 @pytest.fixture(scope="module")
-def tiny_trainer(tmp_path_factory):
+def tiny_config(tmp_path_factory):
     from cegppo.cli import example_config
     from cegppo.config import load_config
-    from cegppo.engine.trainer import Trainer
 
-    def build(*overrides: str) -> Trainer:
+    def build(*overrides: str):
         out = tmp_path_factory.mktemp("lean") / "run"
-        cfg = load_config(example_config("tiny"), [f"output_dir={out}", "reward.fn=fixtures.rewards:digit_overlap",
-                                                   "sft.steps=0", "data.num_test=4", "eval.num_problems=4",
-                                                   "logging.progress=false", "train.prompts_per_step=2",
-                                                   "rollout.max_new_tokens=12", "model.device=cpu", *overrides])
-        return Trainer(cfg)
+        return load_config(example_config("tiny"), [f"output_dir={out}", "reward.fn=fixtures.rewards:digit_overlap",
+                                                    "sft.steps=0", "data.num_test=4", "eval.num_problems=4",
+                                                    "logging.progress=false", "train.prompts_per_step=2",
+                                                    "rollout.max_new_tokens=12", "model.device=cpu", *overrides])
     return build
 
 
-def test_the_trainer_runs_its_passes_lean_but_not_under_checkpointing(tiny_trainer, monkeypatch):
+def test_the_trainer_runs_its_passes_lean_but_not_under_checkpointing(tiny_config, monkeypatch):
     import cegppo.engine.trainer as trainer_module
+    from cegppo.engine.trainer import Trainer
 
-    with tiny_trainer() as tr:
+    with Trainer(tiny_config()) as tr:
         assert tr.lean and len(lean_modules(tr.model)) > 0
         exp, _ = tr.collect(step=1)
         rows = torch.arange(len(exp.rewards))
@@ -169,7 +168,7 @@ def test_the_trainer_runs_its_passes_lean_but_not_under_checkpointing(tiny_train
         assert torch.equal(lean[0], plain[0]) and torch.equal(lean[1], plain[1])
         for w, v in zip(plain_grads, lean_grads):
             assert (v - w).abs().max() <= 1e-5 * w.abs().max()
-    with tiny_trainer("model.gradient_checkpointing=true") as tr:
+    with Trainer(tiny_config("model.gradient_checkpointing=true")) as tr:
         assert not tr.lean
-    with tiny_trainer("model.lean_activations=false") as tr:
+    with Trainer(tiny_config("model.lean_activations=false")) as tr:
         assert not tr.lean
