@@ -150,7 +150,10 @@ def test_linear_token_stats_under_bf16_autocast_follows_nn_linear(grad_w_block, 
 
 
 def test_fused_chunk_rows_bounds_the_chunk():
-    assert fused_chunk_rows(49152) == 512 and fused_chunk_rows(151936) == 128 and fused_chunk_rows(1 << 30) == 1
+    # on a GPU 2^25 logits a chunk; on a CPU 2^22 (16 MiB of float32: under glibc's 32 MiB, the heap reuses them)
+    assert fused_chunk_rows(49152, "cuda") == 512 and fused_chunk_rows(151936, "cuda") == 128
+    assert fused_chunk_rows(49152) == 64 and fused_chunk_rows(151936) == 16 and fused_chunk_rows(1 << 30) == 1
+    assert all(fused_chunk_rows(v) * v * 4 < 32 * 2 ** 20 for v in (1000, 32000, 49152, 151936, 262144))
 
 
 # ----------------------------------------------------------------------------------------------------

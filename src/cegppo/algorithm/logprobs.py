@@ -24,8 +24,12 @@ from torch import Tensor
 
 DEFAULT_CHUNK_ROWS = 1024
 # linear_token_stats' default chunk: as many rows as keep one float32 chunk of logits under this many elements
-# (2^25 floats = 128 MiB; 512 rows at vocabulary 49,152, 128 rows at 151,936).
+# (2^25 floats = 128 MiB; 512 rows at vocabulary 49,152, 128 rows at 151,936) ...
 FUSED_CHUNK_ELEMENTS = 1 << 25
+# ... and on a CPU 2^22 (16 MiB; 64 rows at 49,152): glibc maps each block of 32 MiB or more afresh and unmaps it when
+# freed, so every chunk's logits paid a page fault per 4 KiB; under that size the heap reuses the memory. Measured on
+# the step: docs/speed.md, "The LM head's chunk on a CPU".
+FUSED_CHUNK_ELEMENTS_CPU = 1 << 22
 # In a low-precision matmul, the weight gradient of a chunk is formed this many elements of [V, D] at a time
 # before being added into the float32 sum, so no whole [V, D] temporary is made.
 _GRAD_W_BLOCK_ELEMENTS = 1 << 21
@@ -196,9 +200,11 @@ class _LinearTokenStats(torch.autograd.Function):
         return grad_h, grad_w, grad_b, None, None, None, None, None
 
 
-def fused_chunk_rows(vocab: int) -> int:
-    """Default row chunk of :func:`linear_token_stats`: a power of two with ``rows x vocab <= FUSED_CHUNK_ELEMENTS``."""
-    rows = max(1, FUSED_CHUNK_ELEMENTS // max(vocab, 1))
+def fused_chunk_rows(vocab: int, device_type: str = "cpu") -> int:
+    """Default row chunk of :func:`linear_token_stats`: a power of two with ``rows x vocab <= FUSED_CHUNK_ELEMENTS``
+    (``FUSED_CHUNK_ELEMENTS_CPU`` on a CPU)."""
+    elements = FUSED_CHUNK_ELEMENTS_CPU if device_type == "cpu" else FUSED_CHUNK_ELEMENTS
+    rows = max(1, elements // max(vocab, 1))
     return 1 << (rows.bit_length() - 1)
 
 
@@ -229,7 +235,7 @@ def linear_token_stats(
         compute_dtype = torch.get_autocast_dtype(dev)
     else:
         compute_dtype = torch.promote_types(flat.dtype, weight.dtype)
-    rows = int(chunk_rows) if chunk_rows else fused_chunk_rows(weight.shape[0])
+    rows = int(chunk_rows) if chunk_rows else fused_chunk_rows(weight.shape[0], weight.device.type)
     lp, ent, col = _LinearTokenStats.apply(flat, weight, bias, tokens.reshape(-1), float(temperature), rows,
                                            collision, compute_dtype)
     return lp.view(shape), ent.view(shape), (col.view(shape) if collision else None)
