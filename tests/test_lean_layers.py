@@ -39,13 +39,10 @@ def _forward_backward(module, inputs, grad_out, autocast: bool, lean_model=None)
     """Output, input gradient and parameter gradients of ``module(inputs)`` (run lean on ``lean_model``'s modules)."""
     module.zero_grad(set_to_none=True)
     x = inputs.clone().requires_grad_(inputs.is_floating_point())
-    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
-        if lean_model is not None:
-            with lean_layers(lean_model) as replaced:
-                assert replaced
-                out = module(x * 1 if x.is_floating_point() else x)  # a non-leaf input, as inside a model
-        else:
-            out = module(x * 1 if x.is_floating_point() else x)
+    lean = lean_layers(lean_model) if lean_model is not None else contextlib.nullcontext(1)
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast), lean as replaced:
+        assert replaced
+        out = module(x * 1 if x.is_floating_point() else x)  # a non-leaf input, as inside a model
         out = out.logits if hasattr(out, "logits") else out
     out.float().backward(grad_out)
     grads = [x.grad] if x.is_floating_point() else []
