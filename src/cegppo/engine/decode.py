@@ -35,9 +35,7 @@ class InverseCDFSampler:
     inverted in two levels so that no full-vocabulary cumulative sum (a serial scan) is needed: the block of
     ``block`` tokens the uniform falls in, then the token inside it. Sums are float64: in float32 a token below
     ~3e-8 of probability would round away and could never be drawn.
-
-    Called as a logits processor (the last of ``generate``'s, run greedy) it returns scores whose only finite
-    entry is the drawn token, which greedy decoding then picks."""
+"""
 
     def __init__(self, block: int = 256):
         self.block = block
@@ -58,12 +56,6 @@ class InverseCDFSampler:
         rest = torch.minimum(u - below, torch.nextafter(inner[:, -1:], torch.zeros_like(below)))
         return (block * self.block + torch.searchsorted(inner, rest, right=True)).squeeze(1)
 
-    def __call__(self, input_ids: Tensor, scores: Tensor) -> Tensor:
-        u = torch.rand(scores.shape[0], 1, dtype=torch.float64, device=scores.device)
-        token = self.draw(scores, u)
-        # generate's own copy of the scores: no one reads it after
-        return scores.fill_(float("-inf")).scatter_(-1, token[:, None], 0.0)
-
 
 def sampling_warpers(sampling) -> list:
     """HF's own warpers, in the order ``generate`` applies them when sampling (temperature, top-k, top-p)."""
@@ -73,12 +65,6 @@ def sampling_warpers(sampling) -> list:
     warpers += [TopKLogitsWarper(sampling.top_k)] if sampling.top_k else []
     warpers += [TopPLogitsWarper(sampling.top_p)] if sampling.top_p < 1.0 else []
     return warpers
-
-
-def sampling_processors(sampling) -> list:
-    """``generate``'s logits processors for the same draw as :func:`decode`: the warpers, then the sampler (run
-    greedy: the same distribution as ``generate(do_sample=True)``, drawn by :class:`InverseCDFSampler`)."""
-    return [*sampling_warpers(sampling), InverseCDFSampler()]
 
 
 def _cache_keywords(model: torch.nn.Module, cache) -> dict:

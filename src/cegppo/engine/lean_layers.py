@@ -3,9 +3,10 @@ backward pass (``model.lean_activations``).
 
 Autograd keeps every intermediate of a module's forward that some backward formula reads. For a Llama-style layer
 that is, per token: the RMSNorm's float32 input *and* its normalised output, and the MLP's input cast to the
-autocast dtype once per projection, the gate's output, its SiLU, the up projection and their product -- five tensors
-of the MLP's width. These functions keep the norm's input (and one number per token) and the MLP's input, gate and
-up outputs, and recompute the rest in backward: elementwise work, no matmul is repeated.
+autocast dtype once per projection, the gate's output, its SiLU, the up projection and their product (about five
+tensors' worth of the MLP's width, counted on SmolLM2: docs/speed.md). These functions keep the norm's input (and
+one number per token) and the MLP's input, gate and up outputs, and recompute the rest in backward: elementwise
+work, no matmul is repeated.
 
 Alone, each gives the values of the Hugging Face module it replaces bit for bit, forward and backward: the same
 operations in the same order, and the backward formulas autograd would run (``aten.silu_backward``, the composite
