@@ -64,9 +64,27 @@ def check_provenance(result: dict, script: str) -> None:
     assert script in result.get("command", ""), f"{script}: command {result.get('command')!r} does not name the script"
     datetime.fromisoformat(result["date"])
     m = result.get("machine") or {}
-    for key in ("cpu", "isa", "cores", "torch", "threads", "load_1min"):
+    for key in ("cpu", "isa", "cores", "torch", "threads", "load_1min", "kernel_isa"):
         assert m.get(key) not in (None, ""), f"{script}: machine.{key} not recorded ({m})"
     assert result.get("precision"), f"{script}: precision not recorded"
+
+
+def test_a_capped_instruction_set_is_recorded_and_reported():
+    """A run with torch's kernels capped below the CPU (``ATEN_CPU_CAPABILITY=avx2`` on an AVX-512 machine, to stand
+    in for an AVX2 one) records the cap and the ISA the kernels used, and its report line says so beside the CPU's
+    own ISA: such a figure is not the AVX2 machine's."""
+    code = ("import json, sys; sys.path.insert(0, 'benchmarks'); from common import provenance, provenance_line; "
+            "r = provenance('x.py', 'fp32'); print(json.dumps([r['machine'], provenance_line(r)]))")
+    env = {**os.environ, "ATEN_CPU_CAPABILITY": "default", "OMP_NUM_THREADS": "1"}
+    env.pop("ONEDNN_MAX_CPU_ISA", None), env.pop("MKL_ENABLE_INSTRUCTIONS", None)
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, check=True)
+    m, line = json.loads(out.stdout.strip().splitlines()[-1])
+    assert m["kernel_isa"] == "DEFAULT" and m["isa_caps"] == {"ATEN_CPU_CAPABILITY": "default"}, m
+    assert "kernels capped to DEFAULT by ATEN_CPU_CAPABILITY=default" in line, line
+    env.pop("ATEN_CPU_CAPABILITY")
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, check=True)
+    m, line = json.loads(out.stdout.strip().splitlines()[-1])
+    assert m["isa_caps"] == {} and "capped" not in line, line
 
 
 @pytest.mark.parametrize("script", sorted(QUICK))

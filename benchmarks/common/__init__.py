@@ -117,7 +117,9 @@ def provenance_line(result: dict) -> str:
     if not m:
         return "Commit, date and machine not recorded (a result from before they were)."
     busy = m["load_1min"] > 0.6 * m["cores"]
-    return (f"Commit `{result['commit']}`, {result['date']}; {m['cpu']} ({m['isa']}, {m['cores']} cores"
+    caps = ", ".join(f"{k}={v}" for k, v in (m.get("isa_caps") or {}).items())
+    capped = f", kernels capped to {m['kernel_isa']} by {caps}" if caps else ""
+    return (f"Commit `{result['commit']}`, {result['date']}; {m['cpu']} ({m['isa']}{capped}, {m['cores']} cores"
             f"{', GPU ' + m['gpu'] if m.get('gpu') else ''}), torch {m['torch']} with {m['threads']} threads, precision "
             f"{result['precision']}; 1-min load average {m['load_1min']} at the start"
             f"{' (other processes were running)' if busy else ''}.")

@@ -51,10 +51,16 @@ def portable_path(arg: str) -> str:
     return f"{name}{eq}{value}"
 
 
+# Environment variables that cap the instruction set torch's kernels use below what the CPU has: a run with any set
+# measured a narrower machine than ``isa`` names, and its results must say so.
+ISA_CAPS = ("ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA", "MKL_ENABLE_INSTRUCTIONS")
+
+
 def machine() -> dict:
     """The machine a result was measured on: CPU model, the ISA level that decides the precision (``amx`` /
     ``avx512_bf16`` / ``avx512`` / ``avx2``), cores, whether bf16 is fast there, the GPU if torch sees one, torch's
-    version and threads, and the 1-minute load average (what else was running)."""
+    version and threads, and the 1-minute load average (what else was running). Also the ISA torch's own kernels
+    dispatch to (``kernel_isa``) and any of :data:`ISA_CAPS` set in the environment (``isa_caps``)."""
     import platform
 
     import torch
@@ -75,7 +81,9 @@ def machine() -> dict:
     gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else None
     return {"cpu": model, "isa": isa, "cores": os.cpu_count(), "bf16_fast": bool(
         torch.ops.mkldnn._is_mkldnn_bf16_supported()), "gpu": gpu, "torch": torch.__version__,
-        "threads": torch.get_num_threads(), "load_1min": round(os.getloadavg()[0], 2)}
+        "threads": torch.get_num_threads(), "load_1min": round(os.getloadavg()[0], 2),
+        "kernel_isa": torch.backends.cpu.get_cpu_capability(),
+        "isa_caps": {name: os.environ[name] for name in ISA_CAPS if os.environ.get(name)}}
 
 
 def _version() -> str:
