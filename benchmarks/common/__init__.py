@@ -117,7 +117,7 @@ def provenance_line(result: dict) -> str:
     if not m:
         return "Commit, date and machine not recorded (a result from before they were)."
     busy = m["load_1min"] > 0.6 * m["cores"]
-    caps = ", ".join(f"{k}={v}" for k, v in (m.get("isa_caps") or {}).items())
+    caps = ", ".join(f"{k}={v}" for k, v in sorted((m.get("isa_caps") or {}).items()))  # as the JSON reads back
     capped = f", kernels capped to {m['kernel_isa']} by {caps}" if caps else ""
     return (f"Commit `{result['commit']}`, {result['date']}; {m['cpu']} ({m['isa']}{capped}, {m['cores']} cores"
             f"{', GPU ' + m['gpu'] if m.get('gpu') else ''}), torch {m['torch']} with {m['threads']} threads, precision "
