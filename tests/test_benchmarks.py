@@ -75,8 +75,8 @@ def test_a_capped_instruction_set_is_recorded_and_reported():
     own ISA: such a figure is not the AVX2 machine's."""
     code = ("import json, sys; sys.path.insert(0, 'benchmarks'); from common import provenance, provenance_line; "
             "r = provenance('x.py', 'fp32'); print(json.dumps([r['machine'], provenance_line(r)]))")
-    env = {**os.environ, "ATEN_CPU_CAPABILITY": "default", "OMP_NUM_THREADS": "1"}
-    env.pop("ONEDNN_MAX_CPU_ISA", None), env.pop("MKL_ENABLE_INSTRUCTIONS", None)
+    env = {k: v for k, v in os.environ.items() if k not in ("ONEDNN_MAX_CPU_ISA", "MKL_ENABLE_INSTRUCTIONS")}
+    env.update(ATEN_CPU_CAPABILITY="default", OMP_NUM_THREADS="1")
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, check=True)
     m, line = json.loads(out.stdout.strip().splitlines()[-1])
     assert m["kernel_isa"] == "DEFAULT" and m["isa_caps"] == {"ATEN_CPU_CAPABILITY": "default"}, m
