@@ -49,12 +49,10 @@ from pathlib import Path
 from common import RESULTS, ROOT, command, provenance, provenance_line, quick_out, write_results
 from common.measure import PhaseRSS, problems_in_order
 
-from cegppo.engine.provenance import ISA_CAPS
-
 SYSTEMS = ("cegppo", "trl")  # the kinds of worker
-# environment variables that change what is measured (the allocator, threads, vLLM's KV cache, caps on the kernels'
-# instruction set), recorded with it
-ENV_RECORDED = ("LD_PRELOAD", "OMP_NUM_THREADS", "VLLM_CPU_KVCACHE_SPACE", "CUDA_VISIBLE_DEVICES", *ISA_CAPS)
+# environment variables that change what is measured (the allocator, threads, vLLM's KV cache), recorded with it;
+# caps on the kernels' instruction set are recorded by common.command, for every script
+ENV_RECORDED = ("LD_PRELOAD", "OMP_NUM_THREADS", "VLLM_CPU_KVCACHE_SPACE", "CUDA_VISIBLE_DEVICES")
 
 
 def settings(args) -> dict:

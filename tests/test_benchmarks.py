@@ -74,17 +74,20 @@ def test_a_capped_instruction_set_is_recorded_and_reported():
     in for an AVX2 one) records the cap and the ISA the kernels used, and its report line says so beside the CPU's
     own ISA: such a figure is not the AVX2 machine's."""
     code = ("import json, sys; sys.path.insert(0, 'benchmarks'); from common import provenance, provenance_line; "
-            "r = provenance('x.py', 'fp32'); print(json.dumps([r['machine'], provenance_line(r)]))")
+            "r = provenance('x.py', 'fp32'); print(json.dumps([r, provenance_line(r)]))")
     env = {k: v for k, v in os.environ.items() if k not in ("ONEDNN_MAX_CPU_ISA", "MKL_ENABLE_INSTRUCTIONS")}
     env.update(ATEN_CPU_CAPABILITY="default", OMP_NUM_THREADS="1")
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, check=True)
-    m, line = json.loads(out.stdout.strip().splitlines()[-1])
+    r, line = json.loads(out.stdout.strip().splitlines()[-1])
+    m = r["machine"]
     assert m["kernel_isa"] == "DEFAULT" and m["isa_caps"] == {"ATEN_CPU_CAPABILITY": "default"}, m
     assert "kernels capped to DEFAULT by ATEN_CPU_CAPABILITY=default" in line, line
+    assert r["command"].startswith("ATEN_CPU_CAPABILITY=default python benchmarks/x.py"), r["command"]
     env.pop("ATEN_CPU_CAPABILITY")
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, check=True)
-    m, line = json.loads(out.stdout.strip().splitlines()[-1])
-    assert m["isa_caps"] == {} and "capped" not in line, line
+    r, line = json.loads(out.stdout.strip().splitlines()[-1])
+    m = r["machine"]
+    assert m["isa_caps"] == {} and "capped" not in line and r["command"].startswith("python "), (line, r["command"])
 
 
 @pytest.mark.parametrize("script", sorted(QUICK))

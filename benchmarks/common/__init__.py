@@ -51,11 +51,14 @@ def without_notes(argv: list[str]) -> list[str]:
 
 def command(script: str, env: dict[str, str] | None = None) -> str:
     """The command line that ran ``benchmarks/<script>`` (relative to the checkout, so results compare across clones;
-    paths outside it as ``<local>``, :func:`cegppo.engine.provenance.portable_path`), argv only: the environment variables that matter first (``env``), no ``--note`` texts (:func:`without_notes`).
-    ``script`` is the script's name (a path, such as ``__file__``, is reduced to its name)."""
-    from cegppo.engine.provenance import portable_path
+    paths outside it as ``<local>``, :func:`cegppo.engine.provenance.portable_path`), argv only: first the environment
+    variables that matter (``env``, then any cap on the kernels' instruction set,
+    :func:`cegppo.engine.provenance.isa_caps`), no ``--note`` texts (:func:`without_notes`). ``script`` is the
+    script's name (a path, such as ``__file__``, is reduced to its name)."""
+    from cegppo.engine.provenance import isa_caps, portable_path
 
-    return shlex.join([*(f"{k}={portable_path(v)}" for k, v in (env or {}).items()), "python",
+    env = {**(env or {}), **isa_caps()}
+    return shlex.join([*(f"{k}={portable_path(v)}" for k, v in env.items()), "python",
                        f"benchmarks/{Path(script).name}", *map(portable_path, without_notes(sys.argv[1:]))])
 
 

@@ -34,8 +34,7 @@ class InverseCDFSampler:
     every vocabulary entry (64 x 49152 per decode step: 16% of a measured 8 x 8 rollout of SmolLM2). The CDF is
     inverted in two levels so that no full-vocabulary cumulative sum (a serial scan) is needed: the block of
     ``block`` tokens the uniform falls in, then the token inside it. Sums are float64: in float32 a token below
-    ~3e-8 of probability would round away and could never be drawn.
-"""
+    ~3e-8 of probability would round away and could never be drawn."""
 
     def __init__(self, block: int = 256):
         self.block = block

@@ -56,11 +56,16 @@ def portable_path(arg: str) -> str:
 ISA_CAPS = ("ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA", "MKL_ENABLE_INSTRUCTIONS")
 
 
+def isa_caps() -> dict[str, str]:
+    """The :data:`ISA_CAPS` set in this process's environment, with their values."""
+    return {name: os.environ[name] for name in ISA_CAPS if os.environ.get(name)}
+
+
 def machine() -> dict:
     """The machine a result was measured on: CPU model, the ISA level that decides the precision (``amx`` /
     ``avx512_bf16`` / ``avx512`` / ``avx2``), cores, whether bf16 is fast there, the GPU if torch sees one, torch's
     version and threads, and the 1-minute load average (what else was running). Also the ISA torch's own kernels
-    dispatch to (``kernel_isa``) and any of :data:`ISA_CAPS` set in the environment (``isa_caps``)."""
+    dispatch to (``kernel_isa``) and any cap set on them (:func:`isa_caps`)."""
     import platform
 
     import torch
@@ -83,7 +88,7 @@ def machine() -> dict:
         torch.ops.mkldnn._is_mkldnn_bf16_supported()), "gpu": gpu, "torch": torch.__version__,
         "threads": torch.get_num_threads(), "load_1min": round(os.getloadavg()[0], 2),
         "kernel_isa": torch.backends.cpu.get_cpu_capability(),
-        "isa_caps": {name: os.environ[name] for name in ISA_CAPS if os.environ.get(name)}}
+        "isa_caps": isa_caps()}
 
 
 def _version() -> str:
